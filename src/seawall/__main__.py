@@ -1,0 +1,3 @@
+from seawall.cli import main
+
+raise SystemExit(main())

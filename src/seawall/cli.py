@@ -1,0 +1,48 @@
+"""The `seawall` command.
+
+Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their subcommand runs, so that
+`seawall sim` does not pay for the gateway's imports and the reverse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Keep sorted by the order a newcomer meets them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
+}
+
+
+def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the `wanted` subcommand's module is imported to add its arguments."""
+    from seawall import __version__
+
+    parser = argparse.ArgumentParser(prog="seawall", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"seawall {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if wanted == name:
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def _wanted_command(argv: Sequence[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_wanted_command(args_list)).parse_args(args_list)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    result: int = module.run(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
