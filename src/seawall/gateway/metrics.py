@@ -1,0 +1,204 @@
+"""The gateway's and the fleet monitor's Prometheus metrics: every family, in one place.
+
+Alert rules, the Grafana dashboard, the drift check and the status page all name these
+families, so a rename here is a rename everywhere: tests check that each of those
+consumers only uses names that exist here or in an engine's scrape.
+
+Each `Gateway` gets its own registry (tests run several in one process); `Metrics`
+holds the families for one registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GCCollector, PlatformCollector, ProcessCollector
+
+# Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
+# reach down to the milliseconds the hop costs and up to the engine's worst case.
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+SHED_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+# Names, so consumers (alerts, dashboard, drift check) import rather than retype them.
+REQUESTS = "seawall_requests_total"
+TTFT = "seawall_ttft_seconds"
+ITL = "seawall_itl_seconds"
+E2E = "seawall_e2e_seconds"
+INFLIGHT = "seawall_inflight_requests"
+UPSTREAM_ATTEMPTS = "seawall_upstream_attempts_total"
+RETRIES = "seawall_retries_total"
+RETRY_BUDGET = "seawall_retry_budget_tokens"
+RETRY_BUDGET_EXHAUSTED = "seawall_retry_budget_exhausted_total"
+HEDGES = "seawall_hedges_total"
+TIMEOUTS = "seawall_timeouts_total"
+CANCELLATIONS = "seawall_client_cancellations_total"
+SHED = "seawall_shed_total"
+SHED_LATENCY = "seawall_shed_latency_seconds"
+QUEUE_DEPTH = "seawall_admission_queue_depth"
+RATELIMIT_BACKEND_DEGRADED = "seawall_ratelimit_backend_degraded"
+REPLICA_STATE = "seawall_replica_state"
+REPLICA_SCORE = "seawall_replica_health_score"
+REPLICA_SCORE_PART = "seawall_replica_health_score_part"
+REPLICA_READY = "seawall_replica_ready"
+DEEP_PROBE_FAILURES = "seawall_deep_probe_failures_total"
+RESTARTS = "seawall_replica_restarts_total"
+NODE_CORDONED = "seawall_node_cordoned"
+HARDWARE_TICKETS = "seawall_hardware_tickets_total"
+MIGRATIONS = "seawall_migrations_total"
+DRAINING = "seawall_draining"
+
+
+class Metrics:
+    """All families, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, process: bool = True) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if process:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
+        r = self.registry
+        self.requests = Counter(
+            REQUESTS[: -len("_total")],
+            "Requests answered by the gateway, by model, route and HTTP status.",
+            ["model", "route", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            TTFT,
+            "Time to first token as the client sees it through the gateway.",
+            ["model"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            ITL,
+            "Gap between consecutive streamed chunks relayed to the client.",
+            ["model"],
+            buckets=ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            E2E,
+            "Whole request duration as the client sees it.",
+            ["model"],
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            INFLIGHT,
+            "Requests in flight from the gateway to each replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.upstream_attempts = Counter(
+            UPSTREAM_ATTEMPTS[: -len("_total")],
+            "Upstream attempts by replica and outcome (ok, connect_error, reset, http_5xx, "
+            "http_429, ttft_timeout, cancelled, hedge_lost).",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            RETRIES[: -len("_total")],
+            "Retries on another replica before the first token, by cause.",
+            ["reason"],
+            registry=r,
+        )
+        self.retry_budget = Gauge(
+            RETRY_BUDGET, "Retry budget tokens available now (fleet-wide).", registry=r
+        )
+        self.retry_budget_exhausted = Counter(
+            RETRY_BUDGET_EXHAUSTED[: -len("_total")],
+            "Retries or hedges refused because the retry budget was empty.",
+            registry=r,
+        )
+        self.hedges = Counter(
+            HEDGES[: -len("_total")],
+            "Hedged requests by outcome (launched, won, lost).",
+            ["outcome"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            TIMEOUTS[: -len("_total")],
+            "Timeouts by kind: ttft (no first token), itl (idle between chunks), total.",
+            ["kind"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            CANCELLATIONS[: -len("_total")],
+            "Clients that went away, by the stage they left at (queued, before_first_token, "
+            "streaming, non_streaming).",
+            ["stage"],
+            registry=r,
+        )
+        self.shed = Counter(
+            SHED[: -len("_total")],
+            "Requests refused at the door, by tenant, tier and reason.",
+            ["tenant", "tier", "reason"],
+            registry=r,
+        )
+        self.shed_latency = Histogram(
+            SHED_LATENCY,
+            "Time to answer a shed request (429/503 at the door).",
+            buckets=SHED_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            QUEUE_DEPTH,
+            "Requests waiting for a replica to leave saturation.",
+            ["model"],
+            registry=r,
+        )
+        self.ratelimit_backend_degraded = Gauge(
+            RATELIMIT_BACKEND_DEGRADED,
+            "1 while the shared rate-limit backend (Redis) is unreachable and the configured "
+            "failure mode is in force.",
+            registry=r,
+        )
+        self.replica_state = Gauge(
+            REPLICA_STATE,
+            "1 for the replica's current state, 0 for the others.",
+            ["replica", "node", "state"],
+            registry=r,
+        )
+        self.replica_score = Gauge(
+            REPLICA_SCORE, "Health score in (0, 1]; routing weighs by it.", ["replica"], registry=r
+        )
+        self.replica_score_part = Gauge(
+            REPLICA_SCORE_PART,
+            "Each factor of the health score (1 = no penalty).",
+            ["replica", "part"],
+            registry=r,
+        )
+        self.replica_ready = Gauge(
+            REPLICA_READY, "1 while the replica receives new requests.", ["replica"], registry=r
+        )
+        self.deep_probe_failures = Counter(
+            DEEP_PROBE_FAILURES[: -len("_total")],
+            "Deep (one-token) probes that failed, by replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            RESTARTS[: -len("_total")],
+            "Replica restarts by node and reason.",
+            ["node", "reason"],
+            registry=r,
+        )
+        self.node_cordoned = Gauge(
+            NODE_CORDONED, "1 while the node is cordoned.", ["node"], registry=r
+        )
+        self.hardware_tickets = Counter(
+            HARDWARE_TICKETS[: -len("_total")],
+            "Hardware tickets emitted when a node was cordoned.",
+            ["node"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            MIGRATIONS[: -len("_total")],
+            "Mid-stream migrations by outcome (ok, failed, refused).",
+            ["outcome"],
+            registry=r,
+        )
+        self.draining = Gauge(DRAINING, "1 while the gateway is draining.", registry=r)
