@@ -10,8 +10,15 @@ holds the families for one registry.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
