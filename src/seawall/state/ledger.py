@@ -1,0 +1,137 @@
+"""The restart ledger store: every restart and every cordon, kept across monitor restarts.
+
+Owns the SQLite file (stdlib `sqlite3`, default) and its schema. The ledger is what lets
+"K restarts on one node within an hour" survive a gateway redeploy: without it a node that
+kills its replicas every 20 minutes would be forgiven at every rollout.
+
+Must not decide anything: whether a node should be cordoned is `seawall.policy`'s call.
+Calls run in a worker thread (`asyncio.to_thread`) so a slow disk never stalls the event
+loop; one lock serialises them because one connection is shared across those threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+
+from seawall import clock
+from seawall.actuate.base import Evidence
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS restarts (
+    at_wall REAL NOT NULL,
+    node TEXT NOT NULL,
+    replica_id TEXT NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS restarts_node_time ON restarts (node, at_wall);
+CREATE TABLE IF NOT EXISTS cordons (
+    node TEXT PRIMARY KEY,
+    since_wall REAL NOT NULL,
+    evidence TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartRecord:
+    at_wall: float  # unix seconds: the ledger outlives the process, so no monotonic time
+    node: str
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CordonRecord:
+    node: str
+    since_wall: float
+    evidence: Evidence
+
+
+class RestartLedger:
+    """`RestartLedger(path)`; `":memory:"` keeps it in the process (tests, `none` mode)."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        with self._lock:
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def locked() -> T:
+            with self._lock:
+                return fn(self._db)
+
+        return await asyncio.to_thread(locked)
+
+    async def record(self, rec: RestartRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT INTO restarts (at_wall, node, replica_id, reason) VALUES (?, ?, ?, ?)",
+                (rec.at_wall, rec.node, rec.replica_id, rec.reason),
+            )
+        )
+
+    async def restarts(self, node: str, since_wall: float) -> list[RestartRecord]:
+        """Restarts on `node` at or after `since_wall`, oldest first."""
+        rows: list[tuple[float, str, str, str]] = await self._run(
+            lambda db: db.execute(
+                "SELECT at_wall, node, replica_id, reason FROM restarts "
+                "WHERE node = ? AND at_wall >= ? ORDER BY at_wall",
+                (node, since_wall),
+            ).fetchall()
+        )
+        return [RestartRecord(*row) for row in rows]
+
+    async def cordoned_nodes(self) -> dict[str, CordonRecord]:
+        rows: list[tuple[str, float, str]] = await self._run(
+            lambda db: db.execute("SELECT node, since_wall, evidence FROM cordons").fetchall()
+        )
+        return {node: CordonRecord(node, since, _evidence(raw)) for node, since, raw in rows}
+
+    async def set_cordoned(
+        self, node: str, cordoned: bool, evidence: Evidence | None = None
+    ) -> None:
+        if not cordoned:
+            await self._run(lambda db: db.execute("DELETE FROM cordons WHERE node = ?", (node,)))
+            return
+        raw = orjson.dumps(evidence or Evidence(node=node, reasons=("manual",))).decode()
+        now = clock.wall()
+        await self._run(
+            lambda db: db.execute(
+                "INSERT INTO cordons (node, since_wall, evidence) VALUES (?, ?, ?) "
+                "ON CONFLICT(node) DO UPDATE SET evidence = excluded.evidence",
+                (node, now, raw),
+            )
+        )
+
+    async def close(self) -> None:
+        await self._run(lambda db: db.close())
+
+
+def _evidence(raw: str) -> Evidence:
+    data: dict[str, Any] = orjson.loads(raw)
+    return Evidence(
+        node=str(data.get("node", "")),
+        reasons=tuple(data.get("reasons", ())),
+        restarts=tuple(
+            (float(t), str(replica), str(reason)) for t, replica, reason in data.get("restarts", ())
+        ),
+        extra={str(k): str(v) for k, v in data.get("extra", {}).items()},
+    )
