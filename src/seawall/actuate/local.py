@@ -1,0 +1,615 @@
+"""The local actuator: engine processes Seawall starts and supervises itself.
+
+Owns: starting N replicas from a command template on free loopback ports (one log file
+each), watching them, restarting the ones that die with exponential backoff on crash
+loops, the startup allowance (a loading replica is never restarted before it expires),
+deliberate restarts and stops, the cordon flag for this machine, and leaving no process
+behind on `close()`.
+
+Must not: decide *whether* a running replica is unhealthy (the fleet monitor does, and
+calls `restart`), route traffic (the gateway does, from `on_change` events), or read the
+clock outside `seawall.clock`. The backoff arithmetic is the pure `plan_restart`.
+
+Each replica runs in its own session (process group), so an engine that forks workers
+(vLLM's engine core, tensor-parallel ranks) is stopped as a whole: SIGTERM to the group,
+then SIGKILL to the group after the grace period, and SIGKILL to the group again after
+the leader exits so no orphaned worker holds a GPU or a port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+
+from seawall import clock
+from seawall.actuate.base import Evidence, ReplicaRef
+
+log = logging.getLogger(__name__)
+
+ReplicaState = Literal["starting", "running", "backoff", "stopped"]
+EventKind = Literal[
+    "starting",  # a process was spawned; not yet routable
+    "running",  # /health answered 200: routable
+    "exited",  # the process died without being asked to
+    "backoff",  # waiting before the next start of a crash-looping replica
+    "stopped",  # stopped on purpose (or held down by a cordon): not coming back by itself
+    "restart_refused",  # a restart was asked for while the replica was still loading
+]
+
+DEFAULT_COMMAND: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "seawall",
+    "sim",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "{port}",
+    "--model",
+    "{model}",
+)
+TEMPLATE_FIELDS = ("port", "model", "replica", "index")
+
+
+class CordonedError(RuntimeError):
+    """Raised when asked to (re)start a replica on a cordoned node."""
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+@dataclass(frozen=True, slots=True)
+class BackoffPolicy:
+    """Crash-loop backoff: `initial_s`, doubling per consecutive crash, capped at `max_s`.
+
+    A replica that stayed up for `reset_after_s` before dying is not in a crash loop: its
+    streak starts again, so a replica that crashes once a day restarts after `initial_s`.
+    """
+
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    reset_after_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPlan:
+    delay_s: float
+    crash_streak: int  # consecutive crashes including this one
+
+
+def plan_restart(policy: BackoffPolicy, crash_streak: int, up_for_s: float) -> RestartPlan:
+    """How long to wait before starting a replica again after it died.
+
+    `crash_streak` counts the crashes before this one; `up_for_s` is how long the process
+    that just died had been up.
+    """
+    streak = 0 if up_for_s >= policy.reset_after_s else crash_streak
+    streak += 1
+    # min() before the power keeps the exponent small for a replica crashing for days.
+    delay_s = policy.initial_s * 2.0 ** min(streak - 1, 62)
+    return RestartPlan(delay_s=min(delay_s, policy.max_s), crash_streak=streak)
+
+
+def startup_expired(started_at: float, allowance_s: float, now: float) -> bool:
+    """True once a replica that has not answered /health has used up its allowance."""
+    return now - started_at >= allowance_s
+
+
+def render_command(
+    template: Sequence[str], *, port: int, model: str, replica: str, index: int
+) -> list[str]:
+    """The argv for one replica: each element formatted with the template fields."""
+    values = {"port": port, "model": model, "replica": replica, "index": index}
+    argv: list[str] = []
+    for part in template:
+        try:
+            argv.append(part.format_map(values))
+        except KeyError as e:
+            allowed = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
+            raise ValueError(
+                f"command template {part!r}: unknown placeholder {{{e.args[0]}}}; "
+                f"allowed: {allowed} (write {{{{ and }}}} for literal braces)"
+            ) from None
+    return argv
+
+
+def free_loopback_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# --------------------------------------------------------------------------- public data
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    replica_id: str
+    url: str
+    port: int
+    model: str
+    node: str
+    pid: int | None
+    state: ReplicaState
+    restarts: int
+    uptime_s: float  # since the current process started; 0 when there is none
+    last_exit_code: int | None = None
+    reason: str = ""  # why the replica is in this state (last exit, backoff, cordon)
+    backoff_remaining_s: float = 0.0
+    crash_streak: int = 0  # consecutive crashes; sets the backoff
+    log_path: str = ""
+
+    @property
+    def ref(self) -> ReplicaRef:
+        return ReplicaRef(
+            replica_id=self.replica_id, url=self.url, node=self.node, model=self.model
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEvent:
+    kind: EventKind
+    status: ReplicaStatus
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+
+@dataclass
+class _Replica:
+    replica_id: str
+    index: int
+    model: str
+    node: str
+    port: int
+    url: str
+    argv: list[str]
+    log_path: Path
+    state: ReplicaState = "starting"
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    crash_streak: int = 0
+    last_exit_code: int | None = None
+    reason: str = ""
+    backoff_until: float = 0.0
+    want_stop: bool = False
+    restart_requested: str = ""  # the reason, when a deliberate restart is pending
+    held_by_cordon: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+class LocalSupervisor:
+    """`local`: replicas as child processes of this Seawall process.
+
+    Usage: `await sup.start(model, count)`, then `sup.replicas()` for the view and
+    `on_change` for routing. Always `await sup.close()` (or use `async with`).
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        log_dir: Path,
+        command: Sequence[str] | None = None,
+        node: str = "local",
+        env: Mapping[str, str] | None = None,
+        startup_allowance_s: float = 600.0,
+        health_path: str = "/health",
+        health_interval_s: float = 0.25,
+        backoff: BackoffPolicy | None = None,
+        on_change: Callable[[ReplicaEvent], None] | None = None,
+        host: str = "127.0.0.1",
+        stop_grace_s: float = 10.0,
+    ) -> None:
+        self.log_dir = Path(log_dir)
+        self.command: tuple[str, ...] = tuple(command) if command else DEFAULT_COMMAND
+        render_command(self.command, port=0, model="m", replica="r", index=0)  # fail early
+        self.node = node
+        self.env = dict(env or {})
+        self.startup_allowance_s = startup_allowance_s
+        self.health_path = health_path
+        self.health_interval_s = health_interval_s
+        self.backoff = backoff or BackoffPolicy()
+        self.host = host
+        self.stop_grace_s = stop_grace_s
+        self._listeners: list[Callable[[ReplicaEvent], None]] = []
+        if on_change is not None:
+            self._listeners.append(on_change)
+        self._replicas: dict[str, _Replica] = {}
+        self._next_index = 0
+        self._cordoned: dict[str, Evidence] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> LocalSupervisor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- events
+
+    def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
+        """Add an `on_change` listener (the gateway's routing table, the `up` view)."""
+        self._listeners.append(listener)
+
+    def _emit(self, rep: _Replica, kind: EventKind, reason: str = "") -> None:
+        event = ReplicaEvent(kind=kind, status=self._status(rep, clock.monotonic()), reason=reason)
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not stop supervision
+                log.exception("on_change listener failed for %s %s", rep.replica_id, kind)
+
+    # ---- queries
+
+    def replicas(self) -> list[ReplicaStatus]:
+        now = clock.monotonic()
+        return [self._status(r, now) for r in self._replicas.values()]
+
+    def refs(self) -> list[ReplicaRef]:
+        return [s.ref for s in self.replicas()]
+
+    def all_pids(self) -> list[int]:
+        """Every pid this supervisor ever started (for checks that nothing is left behind)."""
+        return [pid for r in self._replicas.values() for pid in r.pids]
+
+    def is_cordoned(self, node: str) -> bool:
+        return node in self._cordoned
+
+    def _status(self, rep: _Replica, now: float) -> ReplicaStatus:
+        live = rep.proc is not None and rep.proc.returncode is None
+        return ReplicaStatus(
+            replica_id=rep.replica_id,
+            url=rep.url,
+            port=rep.port,
+            model=rep.model,
+            node=rep.node,
+            pid=rep.proc.pid if live and rep.proc is not None else None,
+            state=rep.state,
+            restarts=rep.restarts,
+            uptime_s=max(0.0, now - rep.started_at) if live else 0.0,
+            last_exit_code=rep.last_exit_code,
+            reason=rep.reason,
+            backoff_remaining_s=max(0.0, rep.backoff_until - now)
+            if rep.state == "backoff"
+            else 0.0,
+            crash_streak=rep.crash_streak,
+            log_path=str(rep.log_path),
+        )
+
+    async def wait_running(self, timeout_s: float, replica_ids: Sequence[str] = ()) -> bool:
+        """Wait until every named replica (default: every replica not stopped) is running."""
+        deadline = clock.monotonic() + timeout_s
+        while True:
+            wanted = [
+                r
+                for r in self._replicas.values()
+                if (r.replica_id in replica_ids) or (not replica_ids and not r.want_stop)
+            ]
+            if wanted and all(r.state == "running" for r in wanted):
+                return True
+            if clock.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+    # ---- starting
+
+    async def start(self, model: str, count: int) -> list[ReplicaRef]:
+        """Start `count` replicas of `model`; returns at once (they are `starting`)."""
+        return [await self.start_new(model) for _ in range(count)]
+
+    async def start_new(
+        self,
+        model: str,
+        *,
+        command: Sequence[str] | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+    ) -> ReplicaRef:
+        """Start one more replica on a new port (surge-first rollouts start the new
+        version next to the old one, then stop the old one once the new one runs).
+        `command` overrides the supervisor's template for this replica only."""
+        if self._closed:
+            raise RuntimeError("supervisor is closed")
+        if self.is_cordoned(self.node):
+            raise CordonedError(f"node {self.node} is cordoned: not starting a replica")
+        index = self._next_index
+        self._next_index += 1
+        rid = replica_id or f"r{index}"
+        if rid in self._replicas:
+            raise ValueError(f"replica id {rid!r} already exists")
+        port = port or free_loopback_port(self.host)
+        argv = render_command(
+            command or self.command, port=port, model=model, replica=rid, index=index
+        )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        rep = _Replica(
+            replica_id=rid,
+            index=index,
+            model=model,
+            node=self.node,
+            port=port,
+            url=f"http://{self.host}:{port}",
+            argv=argv,
+            log_path=self.log_dir / f"{rid}.log",
+        )
+        self._replicas[rid] = rep
+        rep.task = asyncio.create_task(self._supervise(rep), name=f"supervise-{rid}")
+        return ReplicaRef(replica_id=rid, url=rep.url, node=rep.node, model=model)
+
+    # ---- the per-replica loop
+
+    async def _spawn(self, rep: _Replica) -> None:
+        now_wall = clock.wall()
+        with rep.log_path.open("ab") as fh:
+            fh.write(
+                f"\n=== seawall: starting {rep.replica_id} (restarts={rep.restarts}, "
+                f"unix={now_wall:.0f}): {' '.join(rep.argv)}\n".encode()
+            )
+            fh.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            rep.proc = await asyncio.create_subprocess_exec(
+                *rep.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=fh,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        rep.pids.append(rep.proc.pid)
+        rep.started_at = clock.monotonic()
+        rep.state = "starting"
+        self._emit(rep, "starting", rep.reason)
+
+    async def _supervise(self, rep: _Replica) -> None:
+        try:
+            while not _stopping(rep):
+                if self.is_cordoned(rep.node):
+                    rep.held_by_cordon = True
+                    rep.reason = f"node {rep.node} cordoned"
+                    break
+                try:
+                    await self._spawn(rep)
+                except OSError as e:  # the binary is missing: treat as a crash, keep trying
+                    rep.proc = None
+                    rep.started_at = clock.monotonic()
+                    rep.reason = f"could not start: {e}"
+                    exit_code: int | None = None
+                else:
+                    exit_code = await self._watch(rep)
+                if _stopping(rep):  # stop() or close() ran while we awaited
+                    break
+                if rep.restart_requested:
+                    rep.reason = f"restarted: {rep.restart_requested}"
+                    rep.restart_requested = ""
+                    rep.restarts += 1
+                    rep.crash_streak = 0
+                    continue
+                now = clock.monotonic()
+                if exit_code is not None:
+                    rep.last_exit_code = exit_code
+                    if not rep.reason.startswith("startup allowance"):
+                        rep.reason = f"exited with code {exit_code}"
+                    self._emit(rep, "exited", rep.reason)
+                if self.is_cordoned(rep.node):
+                    continue  # the loop's first check holds it down without a backoff wait
+                plan = plan_restart(self.backoff, rep.crash_streak, now - rep.started_at)
+                rep.crash_streak = plan.crash_streak
+                rep.state = "backoff"
+                rep.backoff_until = now + plan.delay_s
+                rep.reason = (
+                    f"{rep.reason}; crash {plan.crash_streak}, next start in {plan.delay_s:.0f}s"
+                )
+                self._emit(rep, "backoff", rep.reason)
+                rep.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(rep.wake.wait(), plan.delay_s)
+                if _stopping(rep):  # stop() or close() ran while we awaited
+                    break
+                if asked := _pending_restart(rep):  # restart() cut the backoff short
+                    rep.reason = f"restarted: {asked}"
+                    rep.restart_requested = ""
+                rep.restarts += 1
+        finally:
+            await self._kill_now(rep)
+            rep.state = "stopped"
+            self._emit(rep, "stopped", rep.reason)
+
+    async def _watch(self, rep: _Replica) -> int:
+        """Until the process exits: move it to running when /health answers, and stop
+        it if it never does within the allowance. Returns the exit code."""
+        proc = rep.proc
+        assert proc is not None
+        ready = asyncio.create_task(self._await_ready(rep), name=f"ready-{rep.replica_id}")
+        try:
+            code = await proc.wait()
+        finally:
+            ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready
+        # The leader is gone; its workers must not outlive it.
+        _killpg(proc.pid, signal.SIGKILL)
+        return code
+
+    async def _await_ready(self, rep: _Replica) -> None:
+        session = self._http()
+        url = rep.url + self.health_path
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        while True:
+            if startup_expired(rep.started_at, self.startup_allowance_s, clock.monotonic()):
+                rep.reason = (
+                    f"startup allowance expired: no 200 from {self.health_path} "
+                    f"within {self.startup_allowance_s:g}s"
+                )
+                await self._terminate(rep, self.stop_grace_s)
+                return
+            try:
+                async with session.get(url, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        rep.state = "running"
+                        rep.reason = ""
+                        self._emit(rep, "running")
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            await asyncio.sleep(self.health_interval_s)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _terminate(self, rep: _Replica, grace_s: float) -> None:
+        """SIGTERM the replica's process group; SIGKILL it after `grace_s`."""
+        proc = rep.proc
+        if proc is None or proc.returncode is not None:
+            return
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), grace_s)
+        except TimeoutError:
+            log.warning("%s did not exit %gs after SIGTERM: killing", rep.replica_id, grace_s)
+            _killpg(proc.pid, signal.SIGKILL)
+
+    async def _kill_now(self, rep: _Replica) -> None:
+        proc = rep.proc
+        if proc is None:
+            return
+        _killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    # ---- Actuator
+
+    def _get(self, replica: ReplicaRef) -> _Replica:
+        rep = self._replicas.get(replica.replica_id)
+        if rep is None:
+            raise KeyError(f"no local replica {replica.replica_id!r}")
+        return rep
+
+    async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> None:
+        """Stop the replica's process and start it again at once (no backoff).
+
+        A replica still loading inside its startup allowance is not restarted (unless
+        `force`): killing a model mid-load only starts the load again from zero.
+        """
+        rep = self._get(replica)
+        if self.is_cordoned(rep.node):
+            raise CordonedError(f"node {rep.node} is cordoned: not restarting {rep.replica_id}")
+        if (
+            not force
+            and rep.state == "starting"
+            and not startup_expired(rep.started_at, self.startup_allowance_s, clock.monotonic())
+        ):
+            self._emit(rep, "restart_refused", f"still loading (asked: {reason})")
+            return
+        rep.restart_requested = reason or "requested"
+        if rep.task is None or rep.task.done():  # stopped: start it again
+            rep.want_stop = False
+            rep.held_by_cordon = False
+            rep.restarts += 1
+            rep.reason = f"restarted: {rep.restart_requested}"
+            rep.restart_requested = ""
+            rep.task = asyncio.create_task(self._supervise(rep), name=f"supervise-{rep.replica_id}")
+            return
+        if rep.state == "backoff":
+            rep.wake.set()
+            return
+        await self._terminate(rep, self.stop_grace_s)
+
+    async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
+        """SIGTERM, SIGKILL after `grace_s`; the replica stays listed as `stopped`."""
+        rep = self._get(replica)
+        rep.want_stop = True
+        rep.reason = "stopped on request"
+        rep.wake.set()
+        await self._terminate(rep, grace_s)
+        if rep.task is not None:
+            await rep.task
+
+    async def remove(self, replica: ReplicaRef, grace_s: float) -> None:
+        """Stop the replica and forget it (a rollout's old version)."""
+        await self.stop(replica, grace_s)
+        self._replicas.pop(replica.replica_id, None)
+
+    async def cordon(self, node: str, evidence: Evidence) -> None:
+        """Mark `node` not schedulable: replicas on it that die stay down."""
+        self._cordoned[node] = evidence
+
+    async def uncordon(self, node: str) -> None:
+        """Schedulable again: replicas held down by the cordon start again."""
+        self._cordoned.pop(node, None)
+        for rep in self._replicas.values():
+            if rep.node == node and rep.held_by_cordon and (rep.task is None or rep.task.done()):
+                rep.held_by_cordon = False
+                rep.want_stop = False
+                rep.reason = "node uncordoned"
+                rep.restarts += 1
+                rep.task = asyncio.create_task(
+                    self._supervise(rep), name=f"supervise-{rep.replica_id}"
+                )
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop every replica (SIGTERM, then SIGKILL after the grace); idempotent."""
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        for rep in self._replicas.values():
+            rep.want_stop = True
+            rep.wake.set()
+        await asyncio.gather(
+            *(self._terminate(rep, grace) for rep in self._replicas.values()),
+            return_exceptions=True,
+        )
+        tasks = [r.task for r in self._replicas.values() if r.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _stopping(rep: _Replica) -> bool:
+    # A function, not the attribute, because other tasks flip it while this one awaits.
+    return rep.want_stop
+
+
+def _pending_restart(rep: _Replica) -> str:
+    return rep.restart_requested
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+__all__ = [
+    "DEFAULT_COMMAND",
+    "BackoffPolicy",
+    "CordonedError",
+    "LocalSupervisor",
+    "ReplicaEvent",
+    "ReplicaStatus",
+    "RestartPlan",
+    "plan_restart",
+    "render_command",
+    "startup_expired",
+]

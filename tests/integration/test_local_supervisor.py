@@ -1,0 +1,217 @@
+"""The local supervisor with real child processes on loopback.
+
+The replicas here are a tiny HTTP server (`FAKE_ENGINE`) so the supervisor is tested on
+its own; `test_local_sim.py` runs it with real `seawall sim` replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from seawall.actuate.base import Evidence
+from seawall.actuate.local import (
+    BackoffPolicy,
+    CordonedError,
+    LocalSupervisor,
+    ReplicaEvent,
+)
+
+pytestmark = pytest.mark.integration
+
+# argv: port, seconds to "load" before serving, "ignore-term" to ignore SIGTERM.
+FAKE_ENGINE = r"""
+import http.server, signal, sys, time
+port, load_s = int(sys.argv[1]), float(sys.argv[2])
+if sys.argv[3:] == ["ignore-term"]:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(load_s)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def fake(load_s: float = 0.0, *extra: str) -> list[str]:
+    return [sys.executable, "-c", FAKE_ENGINE, "{port}", str(load_s), *extra]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def until(cond: object, timeout_s: float = 20.0) -> None:
+    """Poll a condition; bounded so a broken supervisor fails the test, not hangs it."""
+    assert callable(cond)
+    for _ in range(int(timeout_s / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def test_a_killed_replica_is_restarted_on_the_same_url(artifacts: Path) -> None:
+    events: list[ReplicaEvent] = []
+    async with LocalSupervisor(
+        log_dir=artifacts, command=fake(), health_path="/", on_change=events.append
+    ) as sup:
+        (ref,) = await sup.start("m", 1)
+        assert await sup.wait_running(20)
+        (before,) = sup.replicas()
+        assert before.pid is not None
+        os.kill(before.pid, signal.SIGKILL)
+        await until(lambda: sup.replicas()[0].restarts == 1)
+        assert await sup.wait_running(20)
+        (after,) = sup.replicas()
+        assert after.url == ref.url and after.pid not in (None, before.pid)
+        assert after.last_exit_code == -signal.SIGKILL
+        kinds = [e.kind for e in events]
+        assert kinds[:2] == ["starting", "running"]
+        assert kinds[2:6] == ["exited", "backoff", "starting", "running"]
+        with open(after.log_path) as f:
+            assert "=== seawall: starting r0 (restarts=1" in f.read()
+
+
+async def test_a_crash_looping_command_backs_off_and_never_runs(artifacts: Path) -> None:
+    events: list[ReplicaEvent] = []
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    async with LocalSupervisor(
+        log_dir=artifacts,
+        command=crash,
+        backoff=BackoffPolicy(initial_s=0.05, max_s=0.2),
+        on_change=events.append,
+    ) as sup:
+        await sup.start("m", 1)
+        await until(lambda: sup.replicas()[0].crash_streak >= 4)
+        backoffs = [e.status for e in events if e.kind == "backoff"]
+        assert [s.crash_streak for s in backoffs[:4]] == [1, 2, 3, 4]
+        assert all(s.last_exit_code == 3 and s.pid is None for s in backoffs)
+        assert "exited with code 3" in backoffs[0].reason
+        assert "running" not in [e.kind for e in events]
+
+
+async def test_a_loading_replica_is_not_restarted_within_its_allowance(artifacts: Path) -> None:
+    events: list[ReplicaEvent] = []
+    async with LocalSupervisor(
+        log_dir=artifacts,
+        command=fake(2.0),
+        health_path="/",
+        startup_allowance_s=60,
+        on_change=events.append,
+    ) as sup:
+        (ref,) = await sup.start("m", 1)
+        await until(lambda: sup.replicas()[0].pid is not None)
+        pid = sup.replicas()[0].pid
+        assert sup.replicas()[0].state == "starting"
+        await sup.restart(ref, "monitor thinks it is dead")
+        assert [e.kind for e in events][-1] == "restart_refused"
+        assert await sup.wait_running(30)
+        (status,) = sup.replicas()
+        assert status.pid == pid and status.restarts == 0
+
+
+async def test_a_replica_that_never_answers_is_restarted_after_its_allowance(
+    artifacts: Path,
+) -> None:
+    events: list[ReplicaEvent] = []
+    async with LocalSupervisor(
+        log_dir=artifacts,
+        command=fake(600.0),
+        health_path="/",
+        startup_allowance_s=0.5,
+        backoff=BackoffPolicy(initial_s=30.0),
+        on_change=events.append,
+    ) as sup:
+        await sup.start("m", 1)
+        await until(lambda: sup.replicas()[0].state == "backoff")
+        (status,) = sup.replicas()
+        assert status.reason.startswith("startup allowance expired")
+        assert [e.kind for e in events] == ["starting", "exited", "backoff"]
+
+
+async def test_stop_kills_a_replica_that_ignores_sigterm_after_the_grace(artifacts: Path) -> None:
+    async with LocalSupervisor(
+        log_dir=artifacts, command=fake(0.0, "ignore-term"), health_path="/"
+    ) as sup:
+        (ref,) = await sup.start("m", 1)
+        assert await sup.wait_running(20)
+        pid = sup.replicas()[0].pid
+        assert pid is not None
+        await sup.stop(ref, grace_s=0.3)
+        (status,) = sup.replicas()
+        assert status.state == "stopped" and status.pid is None
+        assert not alive(pid)
+
+
+async def test_close_leaves_no_process_behind_not_even_a_forked_worker(artifacts: Path) -> None:
+    worker_pid_file = artifacts / "worker.pid"
+    worker_pid_file.unlink(missing_ok=True)
+    # The engine forks a long-lived worker, as vLLM does, then serves.
+    forking = [
+        "sh",
+        "-c",
+        f"sleep 300 & echo $! > {worker_pid_file}; "
+        f"exec {sys.executable} -m http.server --bind 127.0.0.1 {{port}}",
+    ]
+    sup = LocalSupervisor(log_dir=artifacts, command=forking, health_path="/", stop_grace_s=5)
+    await sup.start("m", 2)
+    assert await sup.wait_running(20)
+    await until(worker_pid_file.exists)
+    with open(worker_pid_file) as f:
+        pids = [*sup.all_pids(), int(f.read())]
+    assert all(alive(p) for p in pids)
+    await sup.close()
+    assert not any(alive(p) for p in pids)
+    assert all(s.state == "stopped" for s in sup.replicas())
+
+
+async def test_a_cordoned_node_keeps_dead_replicas_down_until_uncordoned(artifacts: Path) -> None:
+    async with LocalSupervisor(log_dir=artifacts, command=fake(), health_path="/") as sup:
+        (ref,) = await sup.start("m", 1)
+        assert await sup.wait_running(20)
+        await sup.cordon("local", Evidence(node="local", reasons=("xid 79",)))
+        with pytest.raises(CordonedError):
+            await sup.restart(ref, "should be refused")
+        with pytest.raises(CordonedError):
+            await sup.start_new("m")
+        pid = sup.replicas()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await until(lambda: sup.replicas()[0].state == "stopped")
+        assert "cordoned" in sup.replicas()[0].reason
+        await sup.uncordon("local")
+        assert await sup.wait_running(20)
+        assert sup.replicas()[0].restarts == 1
+
+
+async def test_restart_on_request_replaces_the_process_at_once(artifacts: Path) -> None:
+    async with LocalSupervisor(log_dir=artifacts, command=fake(), health_path="/") as sup:
+        (ref,) = await sup.start("m", 1)
+        assert await sup.wait_running(20)
+        pid = sup.replicas()[0].pid
+        await sup.restart(ref, "stuck")
+        await until(lambda: sup.replicas()[0].restarts == 1)
+        assert await sup.wait_running(20)
+        (status,) = sup.replicas()
+        assert status.pid != pid and status.crash_streak == 0
+        extra = await sup.start_new("m")
+        assert extra.url != ref.url
+        assert await sup.wait_running(20)
+        assert len(sup.replicas()) == 2
