@@ -42,6 +42,8 @@ class ApiError(Exception):
     code: str | int | None = None
     type: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    raw: bytes | None = None  # an upstream error body relayed as the engine wrote it
+    content_type: str = "application/json"
 
     def body(self) -> dict[str, Any]:
         return {
@@ -54,7 +56,7 @@ class ApiError(Exception):
         }
 
     def json_bytes(self) -> bytes:
-        return orjson.dumps(self.body())
+        return self.raw if self.raw is not None else orjson.dumps(self.body())
 
     def sse_event(self) -> bytes:
         """The mid-stream error event, followed by `[DONE]`, as vLLM sends it."""

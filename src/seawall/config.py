@@ -1,0 +1,172 @@
+"""Validated gateway configuration. Every default is documented here, once.
+
+The file is YAML. Unknown keys are errors (a typo must not silently fall back to a
+default), and every error names the field, what was given and what is allowed.
+Sections other issues own (tenants, admission, fleet) hang off the same root so that
+one file describes one gateway.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Strict):
+    url: str  # base URL, e.g. http://127.0.0.1:8001 (no trailing /v1)
+    model: str | None = None  # served model name; None: discovered from GET /v1/models
+    node: str = "local"  # failure domain of the hardware (a machine, a GPU host)
+    id: str | None = None  # stable name in metrics and logs; default "r<index>"
+    engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
+    api_key: str | None = None  # sent upstream as a bearer token; never logged
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class Timeouts(_Strict):
+    """The three timeouts. Before the first token each is a retryable failure."""
+
+    ttft_s: PositiveSeconds = 30.0  # request sent -> first token chunk
+    itl_s: PositiveSeconds = 15.0  # gap between two chunks once streaming
+    total_s: PositiveSeconds = 600.0  # whole request, queueing included
+
+
+class TimeoutOverrides(_Strict):
+    ttft_s: PositiveSeconds | None = None
+    itl_s: PositiveSeconds | None = None
+    total_s: PositiveSeconds | None = None
+
+    def apply(self, base: Timeouts) -> Timeouts:
+        return Timeouts(
+            ttft_s=self.ttft_s or base.ttft_s,
+            itl_s=self.itl_s or base.itl_s,
+            total_s=self.total_s or base.total_s,
+        )
+
+
+class RetryConfig(_Strict):
+    """Retries happen only before the first token, on a replica not yet tried."""
+
+    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3  # first try included
+    budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1  # each success earns this much
+    budget_min_per_s: Annotated[float, Field(ge=0)] = 1.0  # reserve refill for idle gateways
+    budget_reserve_window_s: PositiveSeconds = 10.0  # reserve holds min_per_s * this
+    eject_s: PositiveSeconds = 2.0  # a replica refusing connections is skipped this long
+
+
+class HedgeConfig(_Strict):
+    """Off by default: a hedge doubles engine work for the requests it covers."""
+
+    enabled: bool = False
+    delay_s: PositiveSeconds = 0.1  # no first token after this long -> second copy
+    max_prompt_tokens: Annotated[int, Field(ge=1)] = 512  # only short prompts
+    max_fleet_load: Annotated[float, Field(gt=0, le=1)] = 0.5  # only a lightly loaded fleet
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+
+
+class DrainConfig(_Strict):
+    timeout_s: PositiveSeconds = 30.0  # in-flight streams get this long after SIGTERM
+    retry_after_s: PositiveSeconds = 5.0  # told to clients refused while draining
+
+
+class AdminConfig(_Strict):
+    """The admin API listens on its own port with its own credential."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8081
+    token_hash: str | None = None  # "sha256:<hex>" of the admin token (seawall keys new)
+
+
+class GatewayConfig(_Strict):
+    listen: ListenConfig = ListenConfig()
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    timeouts: Timeouts = Timeouts()
+    routes: dict[Literal["completions", "chat"], TimeoutOverrides] = Field(default_factory=dict)
+    retry: RetryConfig = RetryConfig()
+    hedging: HedgeConfig = HedgeConfig()
+    limits: LimitsConfig = LimitsConfig()
+    drain: DrainConfig = DrainConfig()
+    admin: AdminConfig = AdminConfig()
+    # Sections owned by later layers; validated by their own models when they load.
+    tenants: dict[str, Any] = Field(default_factory=dict)
+    tiers: dict[str, Any] = Field(default_factory=dict)
+    admission: dict[str, Any] = Field(default_factory=dict)
+    ratelimit: dict[str, Any] = Field(default_factory=dict)
+    fleet: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = None  # for the balancer's random choices; None = from the OS
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> GatewayConfig:
+        ids = [r.id for r in self.replicas if r.id]
+        dupes = {i for i in ids if ids.count(i) > 1}
+        if dupes:
+            raise ValueError(f"replica ids must be unique; repeated: {sorted(dupes)}")
+        return self
+
+    def timeouts_for(self, route: Literal["completions", "chat"]) -> Timeouts:
+        override = self.routes.get(route)
+        return override.apply(self.timeouts) if override else self.timeouts
+
+
+class ConfigError(Exception):
+    """A configuration problem, with every offending field named."""
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(root)"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see seawall/config.py for every field)"
+        lines.append(f"  {where}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> GatewayConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_config(data, str(p))

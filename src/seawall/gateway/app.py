@@ -1,0 +1,257 @@
+"""The gateway process: routes, lifecycle (start, discovery, drain, close) and shared state.
+
+Owns the objects every request shares: the replica set, the upstream connection pool,
+the retry budget, the metrics. The request path itself is `proxy.py`; the admission
+layers that run before a replica is chosen plug in as `guard`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from seawall import clock
+from seawall.config import GatewayConfig
+from seawall.errors import ApiError
+from seawall.fleet.view import FleetSnapshot
+from seawall.gateway.metrics import Metrics
+from seawall.gateway.proxy import Proxy, RequestCtx
+from seawall.gateway.replicas import Replica, ReplicaSet
+from seawall.policy.hedge import HedgePolicy
+from seawall.policy.retry_budget import RetryBudget
+
+log = logging.getLogger("seawall.gateway")
+
+
+class Guard(Protocol):
+    """Admission layers run before a replica is chosen (tenancy, limits, saturation)."""
+
+    async def admit(self, request: web.Request, ctx: RequestCtx) -> None:
+        """Raise `ApiError` to refuse; set `ctx.lease` to be called back in `release`."""
+
+    async def release(self, ctx: RequestCtx) -> None: ...
+
+
+def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _error(e: ApiError) -> web.Response:
+    return web.Response(
+        body=e.json_bytes(), status=e.status, content_type="application/json", headers=e.headers
+    )
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        metrics: Metrics | None = None,
+        rng: random.Random | None = None,
+        access_log: bool = True,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.replicas = ReplicaSet(rng or random.Random(config.seed))
+        for i, rc in enumerate(config.replicas):
+            self.add_replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+        r = config.retry
+        self.budget = RetryBudget(
+            ratio=r.budget_ratio,
+            min_per_s=r.budget_min_per_s,
+            reserve_window_s=r.budget_reserve_window_s,
+            now=clock.monotonic(),
+        )
+        self.metrics.retry_budget.set_function(lambda: self.budget.level(clock.monotonic()))
+        h = config.hedging
+        self.hedge = HedgePolicy(h.delay_s, h.max_prompt_tokens, h.max_fleet_load)
+        self.hedge_enabled = h.enabled
+        self.draining = False
+        self.inflight = 0
+        self.guard: Guard | None = None
+        self.access_log = access_log
+        self.model_cards: dict[str, dict[str, Any]] = {}
+        self.proxy = Proxy(self)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.port: int | None = None
+
+    # -- shared state -------------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Gateway.start() first"
+        return self._session
+
+    def add_replica(
+        self,
+        replica_id: str,
+        url: str,
+        model: str | None,
+        node: str = "local",
+        api_key: str | None = None,
+        engine: str = "auto",
+    ) -> Replica:
+        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
+        self.replicas.add(replica)
+        return replica
+
+    def set_snapshot_source(self, source: Any) -> None:
+        """The fleet monitor's `snapshot()`: read per request, never awaited."""
+        self.replicas.snapshot = source
+
+    def fleet_load(self) -> float:
+        """Mean KV usage over routable replicas where scraped, else in-flight per replica / 16.
+
+        Only hedging reads it, to tell a lightly loaded fleet from a busy one.
+        """
+        snap: FleetSnapshot = self.replicas.snapshot()
+        loads: list[float] = []
+        for r in self.replicas.all():
+            view = snap.replicas.get(r.id)
+            if view is not None and view.load is not None and view.load.kv_usage is not None:
+                loads.append(view.load.kv_usage)
+            else:
+                loads.append(min(1.0, r.inflight / 16))
+        return sum(loads) / len(loads) if loads else 1.0
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        proxy = self.proxy
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            return await proxy.handle(request, "completions")
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            return await proxy.handle(request, "chat")
+
+        async def method_not_allowed(request: web.Request) -> web.Response:
+            return _error(
+                ApiError(405, f"Method {request.method} is not allowed on {request.path}.")
+            )
+
+        async def not_found(request: web.Request) -> web.Response:
+            return _error(ApiError(404, f"Route {request.method} {request.path} not found."))
+
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_route("GET", path, method_not_allowed)
+        app.router.add_route("*", "/{tail:.*}", not_found)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = []
+        for model in self.replicas.models():
+            card = self.model_cards.get(model) or {
+                "id": model,
+                "object": "model",
+                "created": int(clock.wall()),
+                "owned_by": "seawall",
+            }
+            data.append(card)
+        return _json(200, {"object": "list", "data": data})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _json(200, {"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return _json(503, {"status": "draining"})
+        if not self.replicas.any_ready(clock.monotonic()):
+            return _json(503, {"status": "no usable replica"})
+        return _json(200, {"status": "ready"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Open the connection pool, start discovery and listen. Returns the bound port."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=30, enable_cleanup_closed=True
+            ),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        self._tasks.append(asyncio.create_task(self._discover_loop()))
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner,
+            host or self.config.listen.host,
+            self.config.listen.port if port is None else port,
+            backlog=1024,
+        )
+        await site.start()
+        server: Any = site._server
+        self.port = int(server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def _discover_loop(self) -> None:
+        """Learn each replica's served model (and its card) from `GET /v1/models`."""
+        while True:
+            pending = [
+                r for r in self.replicas.all() if r.model is None or r.model not in self.model_cards
+            ]
+            for r in pending:
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    async with self.session.get(
+                        r.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                    ) as resp:
+                        if resp.status != 200:
+                            continue
+                        cards = (await resp.json()).get("data") or []
+                        if not cards:
+                            continue
+                        if r.model is None:
+                            r.model = str(cards[0]["id"])
+                        for card in cards:
+                            self.model_cards.setdefault(str(card["id"]), card)
+            await asyncio.sleep(1.0 if pending else 5.0)
+
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Stop taking requests and let in-flight ones finish; return how many were cut."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        deadline = clock.monotonic() + (
+            timeout_s if timeout_s is not None else self.config.drain.timeout_s
+        )
+        while self.inflight > 0 and clock.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.inflight
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,561 @@
+"""The request path for `/v1/completions` and `/v1/chat/completions`.
+
+Order of work per request, and why (the stack, written once; see also `stack.py` for the
+admission layers that run before any replica is chosen):
+
+1. Refuse while draining: a gateway that is going away must not start new work.
+2. Read and parse the body (413, 400): bad input costs nothing upstream.
+3. Admission layers (auth, tier limits, rates, tenant concurrency, fleet saturation):
+   refuse cheaply at the door, before the engine suffers.
+4. Choose a replica (model, routable, not saturated, not yet tried; power of two choices).
+5. Open the attempt and hold the client's response until the first token: anything
+   that fails before that point is retried on another replica, within the fleet-wide
+   retry budget; a hedge (opt-in) races a second replica under the same budget.
+6. Relay the stream byte for byte, with the inter-token and total timeouts. After the
+   first token there is no retry: a failure ends the stream cleanly (error event, then
+   `[DONE]`), unless the tier opted into mid-stream migration.
+
+The client leaving at any stage cancels this handler (aiohttp `handler_cancellation`);
+every upstream response is closed on cancellation so the engine aborts the request and
+frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from seawall import clock
+from seawall.config import Timeouts
+from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.gateway.replicas import Replica
+from seawall.gateway.upstream import AttemptFailed, Opened, open_attempt
+from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
+from seawall.protocol.openai import ParsedRequest, Route, parse
+from seawall.protocol.sse import DONE_EVENT, Kind, choice_text, classify, usage_of
+
+if TYPE_CHECKING:
+    from seawall.gateway.app import Gateway
+
+log = logging.getLogger("seawall.access")
+
+_DONE_TAIL = len(DONE_EVENT)
+
+
+@dataclass(slots=True)
+class RequestCtx:
+    request_id: str
+    route: Route
+    started: float  # monotonic
+    timeouts: Timeouts
+    req: ParsedRequest | None = None
+    tenant: str = "default"
+    tier: str = "default"
+    status: int = 0
+    replica: str = ""
+    attempts: int = 0
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    usage: dict[str, Any] | None = None
+    strip_usage: bool = False  # include_usage was added upstream by us
+    track_text: bool = False
+    text: str = ""
+    error: str = ""
+    stage: str = "parsing"
+    lease: object | None = None
+    migrations: int = 0
+    migrate: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeouts.total_s
+
+    @property
+    def model(self) -> str:
+        return self.req.model if self.req else ""
+
+
+def new_request_id(incoming: str | None) -> str:
+    if incoming and len(incoming) <= 128 and incoming.isprintable():
+        return incoming
+    return os.urandom(12).hex()
+
+
+class Proxy:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    # -- entry -------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        gw = self.gw
+        ctx = RequestCtx(
+            request_id=new_request_id(request.headers.get("X-Request-Id")),
+            route=route,
+            started=clock.monotonic(),
+            timeouts=gw.config.timeouts_for(route),
+        )
+        gw.inflight += 1
+        try:
+            return await self._handle(request, ctx)
+        except ApiError as e:
+            return self._error_response(ctx, e)
+        except asyncio.CancelledError:
+            gw.metrics.cancellations.labels(ctx.stage).inc()
+            ctx.status = 499  # nginx's "client closed request", for the access log only
+            ctx.error = f"client left while {ctx.stage}"
+            raise
+        finally:
+            gw.inflight -= 1
+            if gw.guard is not None and ctx.lease is not None:
+                await gw.guard.release(ctx)
+            self._finish(ctx)
+
+    async def _handle(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse:
+        gw = self.gw
+        if gw.draining:
+            raise unavailable(
+                "The gateway is draining; retry on another instance.",
+                retry_after_s=gw.config.drain.retry_after_s,
+                code="draining",
+            )
+        req = ctx.req = parse(ctx.route, await self._read_body(request))
+        if not gw.replicas.serves(req.model):
+            raise ApiError(
+                404,
+                f"The model `{req.model}` does not exist. Valid models: "
+                f"{', '.join(gw.replicas.models()) or '(none yet)'}.",
+                param="model",
+                code="model_not_found",
+            )
+        if gw.guard is not None:
+            ctx.stage = "queued"
+            await gw.guard.admit(request, ctx)
+        ctx.stage = "before_first_token"
+        opened = await self._open(ctx)
+        if not req.stream:
+            return await self._finish_unary(ctx, opened)
+        return await self._relay(request, ctx, opened)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.gw.config.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(
+                413, f"Request body is {request.content_length} bytes; the limit is {limit}."
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"Request body is over the limit of {limit} bytes.") from None
+
+    # -- before the first token: choose, attempt, retry, hedge --------------------------
+
+    async def _open(self, ctx: RequestCtx) -> Opened:
+        gw = self.gw
+        assert ctx.req is not None
+        req = ctx.req
+        body = req.body_bytes()
+        tried: set[str] = set()
+        last: AttemptFailed | None = None
+        backoff: list[float] = []
+        max_attempts = gw.config.retry.max_attempts
+        while True:
+            now = clock.monotonic()
+            replica = self._choose(req.model, now, tried)
+            if replica is None:
+                raise self._exhausted(ctx, last, backoff, no_replica=not tried)
+            if tried:
+                if not gw.budget.try_withdraw(now):
+                    gw.metrics.retry_budget_exhausted.inc()
+                    raise self._exhausted(ctx, last, backoff, budget=True)
+                gw.metrics.retries.labels(last.outcome if last else "unknown").inc()
+            tried.add(replica.id)
+            ctx.attempts += 1
+            try:
+                if gw.hedge_enabled and not tried - {replica.id} and self._hedge_ok(req):
+                    opened = await self._hedged(ctx, replica, body, tried)
+                else:
+                    opened = await self._attempt(ctx, replica, body)
+                return opened
+            except AttemptFailed as f:
+                last = f
+                if f.retry_after_s is not None or f.outcome == "http_429":
+                    backoff.append(f.retry_after_s or 1.0)
+                if not f.retryable or ctx.attempts >= max_attempts:
+                    raise self._exhausted(ctx, last, backoff) from None
+                if clock.monotonic() >= ctx.deadline:
+                    raise self._exhausted(ctx, last, backoff) from None
+
+    def _choose(self, model: str, now: float, tried: set[str]) -> Replica | None:
+        free, saturated = self.gw.replicas.candidates(model, now, tried)
+        return self.gw.replicas.choose(free or saturated)
+
+    async def _attempt(self, ctx: RequestCtx, replica: Replica, body: bytes) -> Opened:
+        gw = self.gw
+        assert ctx.req is not None
+        wait = first_token_wait(
+            clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, ctx.req.stream
+        )
+        replica.inflight += 1
+        gw.metrics.inflight.labels(replica.id).inc()
+        ok = False
+        try:
+            opened = await open_attempt(
+                gw.session,
+                replica,
+                ctx.req,
+                body,
+                ctx.request_id,
+                max(wait.seconds, 0.001),
+                wait.kind + "_timeout",
+            )
+            ok = True
+            return opened
+        except AttemptFailed as f:
+            self._attempt_failed(replica, f)
+            raise
+        except asyncio.CancelledError:
+            gw.metrics.upstream_attempts.labels(replica.id, "cancelled").inc()
+            raise
+        finally:
+            if not ok:
+                replica.inflight -= 1
+                gw.metrics.inflight.labels(replica.id).dec()
+
+    def _attempt_failed(self, replica: Replica, f: AttemptFailed) -> None:
+        gw = self.gw
+        now = clock.monotonic()
+        gw.metrics.upstream_attempts.labels(replica.id, f.outcome).inc()
+        if f.outcome in ("ttft_timeout", "total_timeout"):
+            gw.metrics.timeouts.labels(f.outcome.removesuffix("_timeout")).inc()
+        if f.outcome == "connect_error":
+            replica.ejected_until = now + gw.config.retry.eject_s
+        elif f.outcome == "http_429":
+            replica.backoff_until = now + (f.retry_after_s or 1.0)
+        if f.outcome != "http_4xx":
+            replica.observe_outcome(False)
+
+    def _hedge_ok(self, req: ParsedRequest) -> bool:
+        gw = self.gw
+        # Bytes / 4 is a cheap upper-bound-ish estimate of prompt tokens; hedging only
+        # needs to tell short prompts from long ones.
+        prompt_tokens = len(req.raw) // 4
+        return gw.hedge.allows(prompt_tokens, gw.fleet_load())
+
+    async def _hedged(
+        self, ctx: RequestCtx, first: Replica, body: bytes, tried: set[str]
+    ) -> Opened:
+        """Race a delayed second copy against a slow first attempt; the first token wins."""
+        gw = self.gw
+        primary = asyncio.ensure_future(self._attempt(ctx, first, body))
+        done, _ = await asyncio.wait({primary}, timeout=gw.hedge.delay_s)
+        if done:
+            return primary.result()
+        assert ctx.req is not None
+        now = clock.monotonic()
+        second = self._choose(ctx.req.model, now, tried)
+        if second is None or not gw.budget.try_withdraw(now):
+            if second is not None:
+                gw.metrics.retry_budget_exhausted.inc()
+            return await primary
+        tried.add(second.id)
+        ctx.attempts += 1
+        gw.metrics.hedges.labels("launched").inc()
+        secondary = asyncio.ensure_future(self._attempt(ctx, second, body))
+        pending = {primary, secondary}
+        failure: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        winner = task.result()
+                        gw.metrics.hedges.labels("won" if task is secondary else "lost").inc()
+                        for loser in pending:
+                            loser.cancel()
+                            other = second if task is primary else first
+                            gw.metrics.upstream_attempts.labels(other.id, "hedge_lost").inc()
+                        return winner
+                    failure = task.exception()
+            assert failure is not None
+            raise failure
+        finally:
+            for task in (primary, secondary):
+                if not task.done():
+                    task.cancel()
+
+    def _exhausted(
+        self,
+        ctx: RequestCtx,
+        last: AttemptFailed | None,
+        backoff: list[float],
+        *,
+        no_replica: bool = False,
+        budget: bool = False,
+    ) -> ApiError:
+        gw = self.gw
+        if last is None:
+            return unavailable(
+                f"No replica of `{ctx.model}` is available right now.",
+                retry_after_s=1.0,
+                code="no_replica",
+            )
+        ctx.error = last.message
+        if last.outcome == "http_429" or (backoff and no_replica):
+            retry_after = min(backoff) if backoff else 1.0
+            return rate_limited(
+                "Every replica serving this model asked the gateway to back off; "
+                "retry after the indicated time.",
+                retry_after,
+                code="engine_busy",
+            )
+        if last.outcome == "http_4xx" and last.status is not None:
+            return _pass_through(last.status, last.body or b"", last.content_type)
+        if last.outcome in ("ttft_timeout", "total_timeout"):
+            kind = "time to first token" if last.outcome == "ttft_timeout" else "total"
+            return ApiError(
+                504,
+                f"Upstream timed out ({kind} timeout) after {ctx.attempts} attempt(s).",
+                code=last.outcome,
+            )
+        if last.outcome == "http_5xx" and last.status is not None and last.body:
+            return _pass_through(last.status, last.body, last.content_type)
+        if last.outcome == "connect_error":
+            return unavailable(
+                f"No replica of `{ctx.model}` accepted the connection.",
+                retry_after_s=gw.config.retry.eject_s,
+                code="no_replica",
+            )
+        suffix = " (retry budget exhausted)" if budget else ""
+        return ApiError(502, f"Upstream failed: {last.message}{suffix}", code=last.outcome)
+
+    # -- after the first token ----------------------------------------------------------
+
+    async def _finish_unary(self, ctx: RequestCtx, opened: Opened) -> web.StreamResponse:
+        gw = self.gw
+        replica = opened.replica
+        ctx.replica = replica.id
+        try:
+            body = opened.body or b""
+            ctx.ttft_s = opened.first_token_at - ctx.started
+            self._attempt_ok(replica, ctx, opened)
+            if ctx.lease is not None or gw.guard is not None:
+                try:
+                    obj = orjson.loads(body)
+                    ctx.usage = usage_of(obj) if isinstance(obj, dict) else None
+                except orjson.JSONDecodeError:
+                    pass
+            ctx.status = 200
+            gw.budget.deposit(clock.monotonic())
+            return web.Response(
+                body=body,
+                status=200,
+                content_type="application/json",
+                headers={"X-Request-Id": ctx.request_id},
+            )
+        finally:
+            self._release(replica, opened)
+
+    def _attempt_ok(self, replica: Replica, ctx: RequestCtx, opened: Opened) -> None:
+        gw = self.gw
+        gw.metrics.upstream_attempts.labels(replica.id, "ok").inc()
+        ttft = opened.first_token_at - opened.opened_at
+        replica.observe_ttft(ttft)
+        gw.metrics.ttft.labels(ctx.model).observe(opened.first_token_at - ctx.started)
+
+    def _release(self, replica: Replica, opened: Opened) -> None:
+        opened.close()
+        replica.inflight -= 1
+        self.gw.metrics.inflight.labels(replica.id).dec()
+
+    async def _relay(
+        self, request: web.Request, ctx: RequestCtx, opened: Opened
+    ) -> web.StreamResponse:
+        gw = self.gw
+        replica = opened.replica
+        ctx.replica = replica.id
+        ctx.ttft_s = opened.first_token_at - ctx.started
+        self._attempt_ok(replica, ctx, opened)
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": opened.resp.headers.get(
+                    "Content-Type", "text/event-stream; charset=utf-8"
+                ),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": ctx.request_id,
+            },
+        )
+        ctx.stage = "streaming"
+        ctx.status = 200
+        replica.streams += 1
+        try:
+            await resp.prepare(request)
+            end = await self._pump(ctx, opened, resp, head=True)
+            while end != "done" and self._may_migrate(ctx, end):
+                nxt = await self._continue_elsewhere(ctx, opened.replica)
+                if nxt is None:
+                    break
+                self._release(opened.replica, opened)
+                opened = nxt
+                end = await self._pump(ctx, opened, resp, head=True)
+            if end == "done":
+                gw.budget.deposit(clock.monotonic())
+                opened.replica.observe_outcome(True)
+            else:
+                opened.replica.observe_outcome(False)
+                ctx.error = end
+                await resp.write(
+                    ApiError(
+                        504 if end.endswith("timeout") else 502,
+                        _end_message(end),
+                        code=end,
+                    ).sse_event()
+                )
+            await resp.write_eof()
+            return resp
+        finally:
+            replica.streams -= 1
+            self._release(opened.replica, opened)
+
+    async def _pump(
+        self, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse, head: bool
+    ) -> str:
+        """Relay until the stream ends; return "done" or the reason it ended badly."""
+        gw = self.gw
+        replica = opened.replica
+        itl_hist = gw.metrics.itl.labels(ctx.model)
+        parse_events = ctx.strip_usage or ctx.track_text or ctx.lease is not None
+        if head and opened.head:
+            out = (
+                self._filter(ctx, [e.raw for e in opened.head])
+                if parse_events
+                else b"".join(e.raw for e in opened.head)
+            )
+            if out:
+                await resp.write(out)
+            if opened.head[-1].kind is Kind.DONE:
+                return "done"
+        loop = asyncio.get_running_loop()
+        itl_s = ctx.timeouts.itl_s
+        deadline = ctx.deadline
+        content = opened.resp.content
+        sse = opened.sse
+        tail = b""
+        last = opened.first_token_at
+        wait = next_chunk_wait(clock.monotonic(), deadline, itl_s)
+        try:
+            async with asyncio.timeout(wait.seconds) as timer:
+                while True:
+                    data = await content.readany()
+                    if not data:
+                        return "done" if tail.endswith(DONE_EVENT) else "upstream_closed"
+                    now = clock.monotonic()
+                    itl_hist.observe(now - last)
+                    replica.observe_itl(now - last)
+                    last = now
+                    replica.chunks_relayed += 1
+                    wait = next_chunk_wait(now, deadline, itl_s)
+                    timer.reschedule(loop.time() + wait.seconds)
+                    if parse_events:
+                        out = self._filter(ctx, sse.feed(data))
+                        tail = out[-_DONE_TAIL:] if out else tail
+                        if out:
+                            await resp.write(out)
+                        if ctx.stage == "done":
+                            return "done"
+                    else:
+                        tail = (tail + data)[-_DONE_TAIL:]
+                        await resp.write(data)
+        except TimeoutError:
+            kind = expired_kind(clock.monotonic(), deadline, wait.kind)
+            gw.metrics.timeouts.labels(kind).inc()
+            return f"{kind}_timeout"
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            ctx.error = str(e)
+            return "upstream_reset"
+
+    def _filter(self, ctx: RequestCtx, events: list[bytes]) -> bytes:
+        """Event-level relay: capture usage, strip the usage chunk we added, track text."""
+        out: list[bytes] = []
+        for raw in events:
+            ev = classify(raw)
+            if ev.kind is Kind.USAGE:
+                ctx.usage = usage_of(ev.obj)
+                if ctx.strip_usage:
+                    continue
+            elif ev.kind is Kind.TOKEN and ev.obj is not None:
+                if ctx.track_text:
+                    for choice in ev.obj["choices"]:
+                        ctx.text += choice_text(choice)
+                    ctx.completion_tokens += 1
+                u = ev.obj.get("usage")
+                if u:
+                    ctx.usage = u
+            elif ev.kind is Kind.DONE:
+                ctx.stage = "done"
+            out.append(raw)
+        return b"".join(out)
+
+    # Mid-stream migration is filled in by the lifecycle layer; by default nothing migrates.
+    def _may_migrate(self, ctx: RequestCtx, end: str) -> bool:
+        return False
+
+    async def _continue_elsewhere(self, ctx: RequestCtx, failed: Replica) -> Opened | None:
+        return None
+
+    # -- responses and bookkeeping ------------------------------------------------------
+
+    def _error_response(self, ctx: RequestCtx, e: ApiError) -> web.Response:
+        ctx.status = e.status
+        ctx.error = ctx.error or e.message
+        headers = {"X-Request-Id": ctx.request_id, **e.headers}
+        headers["Content-Type"] = e.content_type
+        return web.Response(body=e.json_bytes(), status=e.status, headers=headers)
+
+    def _finish(self, ctx: RequestCtx) -> None:
+        gw = self.gw
+        elapsed = clock.monotonic() - ctx.started
+        model = ctx.model or "unknown"
+        gw.metrics.requests.labels(model, ctx.route, str(ctx.status)).inc()
+        if ctx.status == 200:
+            gw.metrics.e2e.labels(model).observe(elapsed)
+        if gw.access_log:
+            log.info(
+                "%s",
+                orjson.dumps(
+                    {
+                        "request_id": ctx.request_id,
+                        "route": ctx.route,
+                        "model": model,
+                        "tenant": ctx.tenant,
+                        "status": ctx.status,
+                        "replica": ctx.replica,
+                        "attempts": ctx.attempts,
+                        "ttft_s": None if ctx.ttft_s is None else round(ctx.ttft_s, 4),
+                        "duration_s": round(elapsed, 4),
+                        "error": ctx.error or None,
+                    }
+                ).decode(),
+            )
+
+
+def _pass_through(status: int, raw: bytes, content_type: str) -> ApiError:
+    """An upstream error relayed as the engine wrote it (already OpenAI-shaped)."""
+    return ApiError(status, raw[:200].decode(errors="replace"), raw=raw, content_type=content_type)
+
+
+def _end_message(end: str) -> str:
+    return {
+        "itl_timeout": "The upstream replica stopped sending tokens (inter-token timeout).",
+        "total_timeout": "The request reached its total deadline.",
+        "upstream_reset": "The upstream replica failed mid-stream.",
+        "upstream_closed": "The upstream replica closed the stream before it finished.",
+    }.get(end, f"The stream ended early: {end}.")

@@ -1,0 +1,123 @@
+"""The gateway's own, request-path view of each replica, and the choice of one.
+
+Owns what only the request path knows: in-flight counts, chunks relayed, short passive
+ejections (a replica that refuses connections is skipped at once, before any monitor
+notices), and engine back-off (an upstream 429/503 marks the replica saturated for its
+Retry-After). What the fleet monitor knows (readiness, health score, scraped load,
+admission saturation) arrives as an immutable `FleetSnapshot` that is read, never waited on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from seawall.fleet.view import FleetSnapshot, ReplicaView
+from seawall.policy.balance import pick, replica_cost
+
+# Weight of the newest sample in the gateway's moving averages: about the last 20 requests.
+_EWMA_ALPHA = 0.05
+
+
+@dataclass(slots=True)
+class Replica:
+    id: str
+    url: str
+    model: str | None
+    node: str
+    api_key: str | None = None
+    engine: str = "auto"
+    inflight: int = 0
+    streams: int = 0  # streaming responses being relayed now
+    chunks_relayed: int = 0
+    ejected_until: float = 0.0
+    backoff_until: float = 0.0
+    draining: bool = False
+    # Gateway-observed quality, fed to the health score.
+    ttft_ewma_s: float | None = None
+    itl_ewma_s: float | None = None
+    error_ewma: float = 0.0
+    completions_url: str = field(init=False)
+    chat_url: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completions_url = self.url + "/v1/completions"
+        self.chat_url = self.url + "/v1/chat/completions"
+
+    def observe_ttft(self, seconds: float) -> None:
+        prev = self.ttft_ewma_s
+        self.ttft_ewma_s = seconds if prev is None else prev + _EWMA_ALPHA * (seconds - prev)
+
+    def observe_itl(self, seconds: float) -> None:
+        prev = self.itl_ewma_s
+        self.itl_ewma_s = seconds if prev is None else prev + _EWMA_ALPHA * (seconds - prev)
+
+    def observe_outcome(self, ok: bool) -> None:
+        self.error_ewma += _EWMA_ALPHA * ((0.0 if ok else 1.0) - self.error_ewma)
+
+
+_ALWAYS_ROUTABLE = ReplicaView("", "", "", "")
+
+
+class ReplicaSet:
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._replicas: dict[str, Replica] = {}
+        self._rng = rng or random.Random()
+        self.snapshot: Callable[[], FleetSnapshot] = lambda: FleetSnapshot()
+
+    def add(self, replica: Replica) -> None:
+        self._replicas[replica.id] = replica
+
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._replicas.pop(replica_id, None)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def models(self) -> list[str]:
+        return sorted({r.model for r in self._replicas.values() if r.model})
+
+    def serves(self, model: str) -> bool:
+        return any(r.model == model for r in self._replicas.values())
+
+    def view(self, replica: Replica, snap: FleetSnapshot) -> ReplicaView:
+        return snap.replicas.get(replica.id, _ALWAYS_ROUTABLE)
+
+    def usable(self, replica: Replica, now: float, snap: FleetSnapshot) -> bool:
+        """Routable for a new request, ignoring admission saturation."""
+        if replica.draining or replica.ejected_until > now or replica.backoff_until > now:
+            return False
+        return self.view(replica, snap).routable
+
+    def candidates(
+        self, model: str, now: float, exclude: Iterable[str] = ()
+    ) -> tuple[list[Replica], list[Replica]]:
+        """(usable and not saturated, usable but saturated) replicas serving `model`."""
+        snap = self.snapshot()
+        skip = set(exclude)
+        free: list[Replica] = []
+        saturated: list[Replica] = []
+        for r in self._replicas.values():
+            if r.model != model or r.id in skip or not self.usable(r, now, snap):
+                continue
+            (saturated if self.view(r, snap).saturated else free).append(r)
+        return free, saturated
+
+    def choose(self, candidates: list[Replica]) -> Replica | None:
+        snap = self.snapshot()
+
+        def cost(r: Replica) -> float:
+            v = snap.replicas.get(r.id)
+            if v is None:
+                return replica_cost(r.inflight, 1.0, None)
+            return replica_cost(r.inflight, v.score, v.load.kv_usage if v.load else None)
+
+        return pick(candidates, cost, self._rng)
+
+    def any_ready(self, now: float) -> bool:
+        snap = self.snapshot()
+        return any(r.model and self.usable(r, now, snap) for r in self._replicas.values())

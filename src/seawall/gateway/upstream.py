@@ -1,0 +1,182 @@
+"""One upstream attempt, up to and including the first token.
+
+The gateway holds the client's response until the first token chunk has arrived (vLLM
+commits stream headers before any token), so everything that can go wrong before that
+point is still a clean, retryable failure: connection refused or reset, a 5xx, an
+error event, silence past the time-to-first-token deadline. This module turns each of
+those into one `AttemptFailed` with an outcome name (the `outcome` label of
+`seawall_upstream_attempts_total`) and says whether another replica may be tried.
+
+It must not decide retries, pick replicas or touch the client: the proxy does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from seawall import clock
+from seawall.gateway.replicas import Replica
+from seawall.protocol.openai import ParsedRequest
+from seawall.protocol.sse import Event, Kind, SSEBuffer, classify
+
+# Bodies of upstream errors are relayed to the client; cap what we hold in memory.
+_MAX_ERROR_BODY = 64 * 1024
+
+
+class AttemptFailed(Exception):
+    def __init__(
+        self,
+        outcome: str,
+        retryable: bool,
+        message: str,
+        status: int | None = None,
+        body: bytes | None = None,
+        retry_after_s: float | None = None,
+        content_type: str = "application/json",
+    ) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.retryable = retryable
+        self.message = message
+        self.status = status
+        self.body = body
+        self.retry_after_s = retry_after_s
+        self.content_type = content_type
+
+
+@dataclass(slots=True)
+class Opened:
+    """An upstream response that has produced its first token (or its whole body)."""
+
+    replica: Replica
+    resp: aiohttp.ClientResponse
+    head: list[Event]  # streaming: events read so far, the first token last
+    sse: SSEBuffer
+    body: bytes | None  # non-streaming: the whole body
+    opened_at: float  # monotonic, when the attempt started
+    first_token_at: float
+
+    def close(self) -> None:
+        self.resp.close()
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP-date; engines do not send those
+
+
+def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    if replica.api_key:
+        headers["Authorization"] = f"Bearer {replica.api_key}"
+    return headers
+
+
+async def open_attempt(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    req: ParsedRequest,
+    body: bytes,
+    request_id: str,
+    timeout_s: float,
+    timeout_outcome: str,
+) -> Opened:
+    """Send the request and wait for its first token (streaming) or whole body.
+
+    `timeout_s` is the time left before the first token (streaming) or the total
+    deadline (non-streaming); `timeout_outcome` names which one it is.
+    """
+    url = replica.chat_url if req.route == "chat" else replica.completions_url
+    started = clock.monotonic()
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await session.post(url, data=body, headers=upstream_headers(replica, request_id))
+            if resp.status != 200:
+                raise await _http_failure(resp)
+            if not req.stream:
+                data = await resp.read()
+                now = clock.monotonic()
+                return Opened(replica, resp, [], SSEBuffer(), data, started, now)
+            sse = SSEBuffer()
+            head: list[Event] = []
+            while True:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise AttemptFailed("reset", True, "upstream closed before the first token")
+                for raw in sse.feed(chunk):
+                    ev = classify(raw)
+                    if ev.kind is Kind.ERROR:
+                        raise AttemptFailed(
+                            "error_event", True, _error_message(ev), status=502, body=None
+                        )
+                    head.append(ev)
+                    if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
+                        return Opened(replica, resp, head, sse, None, started, clock.monotonic())
+    except AttemptFailed:
+        if resp is not None:
+            resp.close()
+        raise
+    except TimeoutError:
+        if resp is not None:
+            resp.close()
+        raise AttemptFailed(
+            timeout_outcome, True, f"no first token within {timeout_s:.3g}s"
+        ) from None
+    except aiohttp.ClientConnectorError as e:
+        raise AttemptFailed("connect_error", True, f"cannot connect to {replica.id}: {e}") from None
+    except (aiohttp.ClientError, ConnectionError) as e:
+        if resp is not None:
+            resp.close()
+        raise AttemptFailed("reset", True, f"{replica.id}: {type(e).__name__}: {e}") from None
+    except BaseException:
+        # Cancelled (client left, hedge lost, shutdown): close the connection so the
+        # engine sees the disconnect and aborts the request at once.
+        if resp is not None:
+            resp.close()
+        raise
+
+
+async def _http_failure(resp: aiohttp.ClientResponse) -> AttemptFailed:
+    try:
+        body = await resp.content.read(_MAX_ERROR_BODY)
+    except (aiohttp.ClientError, ConnectionError):
+        body = b""
+    finally:
+        resp.close()
+    status = resp.status
+    ctype = resp.headers.get("Content-Type", "application/json")
+    message = f"upstream answered {status}"
+    if status in (429, 503):
+        # Engine admission: a signal to back off from this replica, not a broken one.
+        return AttemptFailed(
+            "http_429",
+            True,
+            message,
+            status=status,
+            body=body,
+            retry_after_s=parse_retry_after(resp.headers.get("Retry-After")),
+            content_type=ctype,
+        )
+    if status >= 500:
+        return AttemptFailed(
+            "http_5xx", True, message, status=status, body=body, content_type=ctype
+        )
+    return AttemptFailed("http_4xx", False, message, status=status, body=body, content_type=ctype)
+
+
+def _error_message(ev: Event) -> str:
+    if ev.obj and isinstance(ev.obj.get("error"), dict):
+        return str(ev.obj["error"].get("message", "upstream error event"))
+    try:
+        return orjson.loads(ev.raw[6:]).get("error", {}).get("message", "upstream error event")  # type: ignore[no-any-return]
+    except (orjson.JSONDecodeError, AttributeError):
+        return "upstream error event"
