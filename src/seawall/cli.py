@@ -14,8 +14,15 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). Keep sorted by the order a newcomer meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("seawall.gateway.serve_cli", "run the gateway in front of engine replicas"),
     "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
     "keys": ("seawall.keys_cli", "mint a tenant's API key (printed once; only its hash is kept)"),
+    "alerts": (
+        "seawall.ops.alerts_cli",
+        "write Prometheus alert rules; `check` finds metric drift",
+    ),
+    "budget": ("seawall.ops.budget_cli", "error-budget calculator for crashes and restarts"),
+    "map": ("seawall.ops.map_cli", "failure domains, their controls and their live state"),
 }
 
 
