@@ -1,0 +1,313 @@
+"""A small model of vLLM V1's scheduler: continuous batching over a paged KV cache.
+
+Owns: the waiting and running queues, the block pool (counted, not addressed), chunked
+prefill, recompute preemption, token sampling through `textgen`, finishing by EOS or
+length, and the cost in seconds of each step. Pure: no I/O, no asyncio, no clock. The
+server calls `step()`, sleeps `StepResult.cost_s`, then delivers what the step produced.
+
+Must not: know about HTTP, metrics or time of day. Times for metrics are taken by the
+caller around each step.
+
+What it keeps from vLLM 0.33 (`v1/core/sched/scheduler.py`, reference §3):
+- RUNNING requests are scheduled first; each needs slots for its next token or next
+  prefill chunk. When the pool cannot give a block, the newest running request is
+  preempted (fcfs: `running[-1]`), repeatedly, until the allocation fits or the request
+  preempts itself. Preemption frees every block, resets the computed tokens to 0, keeps
+  the output so far, and puts the request at the FRONT of the waiting queue.
+- WAITING requests are admitted in order while the token budget lasts, the running set is
+  under `max_num_seqs`, and the whole current sequence fits in free blocks; the first one
+  that does not fit stops admission. No admission in a step that preempted.
+- KV usage is `1 - free / (num_blocks - 1)`: one block is vLLM's null block and is never
+  handed out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from seawall.sim import textgen
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What one engine step costs, in seconds, as a function of the batch."""
+
+    base_s: float = 0.010
+    per_seq_s: float = 0.0001
+    per_prefill_token_s: float = 0.00005
+
+    def cost_s(self, num_seqs: int, num_prefill_tokens: int) -> float:
+        if num_seqs == 0:
+            return 0.0
+        return (
+            self.base_s + self.per_seq_s * num_seqs + self.per_prefill_token_s * num_prefill_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    costs: StepCosts = field(default_factory=StepCosts)
+    gen: textgen.GenConfig = textgen.DEFAULT_GEN
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (one is the null block)")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One sequence. `key` decides its tokens with the context (see `textgen`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    key: int
+    ignore_eos: bool = False
+    # state below is the scheduler's
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    context_hash: int = 0
+    ever_scheduled: bool = False
+    ever_decoded: bool = False
+
+    def __post_init__(self) -> None:
+        self.context_hash = textgen.hash_tokens(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step did. `outputs` pairs each request with the token it produced."""
+
+    outputs: list[tuple[SimRequest, int]]
+    finished: list[SimRequest]
+    preempted: list[SimRequest]
+    first_scheduled: list[SimRequest]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_seqs: int
+    cost_s: float
+
+    @property
+    def idle(self) -> bool:
+        return self.num_scheduled_seqs == 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.free_blocks = config.num_blocks - 1  # the null block is never allocated
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ observation
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.config.num_blocks - 1
+
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.usable_blocks
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    # ------------------------------------------------------------------ commands
+
+    def add(self, request: SimRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> SimRequest | None:
+        """Remove a request now and free its blocks; None when it is already gone."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def finish(self, request_id: str, reason: FinishReason) -> SimRequest | None:
+        """End a request for a reason found outside the core (a stop string, an error)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason)
+        return request
+
+    def abort_all(self) -> list[SimRequest]:
+        gone = list(self.running) + list(self.waiting)
+        for request in gone:
+            self._finish(request, FinishReason.ABORT)
+        return gone
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> StepResult:
+        cfg = self.config
+        token_budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted: list[SimRequest] = []
+        first_scheduled: list[SimRequest] = []
+
+        # 1. running requests first, in order; preempt the newest when blocks run out
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed, token_budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            need = self.blocks_needed(request.num_computed + num_new) - request.num_blocks
+            self_preempted = False
+            while need > self.free_blocks:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    self_preempted = True
+                    break
+            if self_preempted:
+                break
+            self._take(request, need)
+            scheduled.append((request, num_new))
+            token_budget -= num_new
+            index += 1
+
+        # 2. waiting requests, only when nothing was preempted in this step
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting[0]
+                # the whole current sequence must fit, though only the chunk is allocated
+                if self.blocks_needed(request.num_tokens) - request.num_blocks > self.free_blocks:
+                    break
+                num_new = min(request.num_tokens - request.num_computed, token_budget)
+                need = self.blocks_needed(request.num_computed + num_new) - request.num_blocks
+                self.waiting.popleft()
+                self._take(request, need)
+                request.status = Status.RUNNING
+                self.running.append(request)
+                if not request.ever_scheduled:
+                    request.ever_scheduled = True
+                    first_scheduled.append(request)
+                scheduled.append((request, num_new))
+                token_budget -= num_new
+
+        # 3. "execute": advance computed tokens, sample where a sequence is complete
+        outputs: list[tuple[SimRequest, int]] = []
+        finished: list[SimRequest] = []
+        num_prefill = 0
+        num_decode = 0
+        max_len = cfg.max_model_len
+        gen = cfg.gen
+        for request, num_new in scheduled:
+            # a recompute after preemption is prefill work too, output tokens included
+            is_decode = num_new == 1 and request.num_output > 0 and request.ever_decoded
+            if not is_decode:
+                num_prefill += num_new
+            request.num_computed += num_new
+            if request.num_computed < request.num_tokens:
+                continue  # a prefill chunk: no token yet
+            token = textgen.next_token(request.key, request.context_hash, gen)
+            request.output_ids.append(token)
+            request.context_hash = textgen.extend_hash(request.context_hash, token)
+            num_decode += 1
+            request.ever_decoded = True
+            outputs.append((request, token))
+            if token == textgen.EOS_ID and not request.ignore_eos:
+                reason: FinishReason | None = FinishReason.STOP
+            elif request.num_output >= request.max_tokens or request.num_tokens >= max_len:
+                reason = FinishReason.LENGTH
+            else:
+                reason = None
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+
+        cost_s = cfg.costs.cost_s(len(scheduled), num_prefill)
+        return StepResult(
+            outputs=outputs,
+            finished=finished,
+            preempted=preempted,
+            first_scheduled=first_scheduled,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_scheduled_seqs=len(scheduled),
+            cost_s=cost_s,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _take(self, request: SimRequest, num_blocks: int) -> None:
+        if num_blocks > 0:
+            self.free_blocks -= num_blocks
+            request.num_blocks += num_blocks
+
+    def _release(self, request: SimRequest) -> None:
+        self.free_blocks += request.num_blocks
+        request.num_blocks = 0
+
+    def _preempt(self, request: SimRequest) -> None:
+        self._release(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = Status.PREEMPTED
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: SimRequest, reason: FinishReason) -> None:
+        if request.status is Status.FINISHED:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+
+def total_held_blocks(requests: Iterable[SimRequest]) -> int:
+    return sum(r.num_blocks for r in requests)
