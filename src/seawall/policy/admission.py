@@ -1,0 +1,159 @@
+"""Admission: when a replica takes no new work, and what to do when none will.
+
+Why admit at the gateway at all. An engine accepts every request it is sent and queues
+it internally. Past a point, queueing inside the engine only hurts: the KV cache fills,
+the engine starts preempting running requests (recomputing their work), throughput
+drops and every request in the engine gets slower, including the ones that were fine.
+The gateway sees the engine's load (scraped) and its own in-flight count, so it can stop
+sending work to a saturated replica and, when the whole fleet is saturated, hold or
+refuse requests itself, where waiting is cheap and a refusal can be made quickly with an
+honest Retry-After.
+
+Per replica (`replica_saturated`): a replica is saturated when any threshold is exceeded:
+
+- metrics missing or older than `metrics_max_age_s`: reason exactly "metrics stale".
+  Routing new work to a replica whose load is unknown is a guess; the safe default is no.
+- gateway in-flight at or over `inflight_max` (when set): the gateway's own count, so
+  it is never stale;
+- KV usage over `kv_usage_max`, engine queue over `waiting_max`, preemption rate over
+  `preemption_rate_max_per_s`. "Over" is strict: a value equal to the maximum is allowed.
+
+A load field the engine does not export (None) skips that check: unknown is not the
+same as full, and an engine without a KV gauge is still protected by `inflight_max`.
+
+Fleet level (`on_fleet_saturated`), when every replica serving the model is saturated:
+priorities are numbers where 0 is the most important tier and larger numbers are less
+important. Tiers up to `lowest_priority_to_queue` may wait in the gateway queue; lower
+tiers are shed at once. Within the queue, lower tiers are shed first as it fills: tier p
+may queue only while
+
+    queue_len < queue_max * (lowest_priority_to_queue - p + 1) / (lowest_priority_to_queue + 1)
+
+so tier 0 can use the whole queue, and the lowest queueable tier its last share (with
+lowest_priority_to_queue = 1: tier 0 all of it, tier 1 the first half).
+
+Retry-After is an estimate, never a constant: the time for the fleet to work through
+the requests already queued plus this one at the recent completion rate,
+`(queue_len + 1) / completions_per_s`, rounded up to whole seconds (HTTP Retry-After is
+whole seconds) and clamped to [min_retry_after_s, max_retry_after_s]. With nothing
+completing (rate 0 or unknown) it is `max_retry_after_s`: the fleet is not draining, so
+clients should back off as far as we allow.
+
+Must not: read the clock, hold the queue, or count completions. The caller passes `now`,
+the in-flight count and the measured completion rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from seawall.fleet.view import EngineLoad
+
+METRICS_STALE = "metrics stale"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionThresholds:
+    kv_usage_max: float = 0.9
+    waiting_max: float = 5
+    # Sustained preemptions above a few per second mean the engine is recomputing
+    # evicted work instead of producing tokens (see `storm`).
+    preemption_rate_max_per_s: float = 2.0
+    metrics_max_age_s: float = 5.0
+    inflight_max: int | None = None
+
+
+def replica_saturated(
+    load: EngineLoad | None,
+    inflight: int,
+    preemption_rate_per_s: float | None,
+    now: float,
+    t: AdmissionThresholds,
+) -> str | None:
+    """None when the replica may take new work, else why not (for logs and the admin API)."""
+    if load is None or now - load.scraped_at > t.metrics_max_age_s:
+        return METRICS_STALE
+    if t.inflight_max is not None and inflight >= t.inflight_max:
+        return f"{inflight} requests in flight, at the limit of {t.inflight_max} (inflight_max)"
+    if load.kv_usage is not None and load.kv_usage > t.kv_usage_max:
+        return f"kv cache {load.kv_usage:.0%} used, over {t.kv_usage_max:.0%} (kv_usage_max)"
+    if load.waiting is not None and load.waiting > t.waiting_max:
+        return f"{load.waiting:g} requests waiting, over {t.waiting_max:g} (waiting_max)"
+    if preemption_rate_per_s is not None and preemption_rate_per_s > t.preemption_rate_max_per_s:
+        return (
+            f"{preemption_rate_per_s:.2g} preemptions/s, over "
+            f"{t.preemption_rate_max_per_s:g} (preemption_rate_max_per_s)"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Wait in the gateway queue; `expected_wait_s` is the drain estimate (may be inf)."""
+
+    expected_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Refuse now (429) with `Retry-After: retry_after_s` (whole seconds)."""
+
+    retry_after_s: float
+    reason: str = ""
+
+
+def estimated_drain_s(queue_len: int, completions_per_s: float) -> float:
+    """Seconds for the fleet to complete the queued requests plus one more."""
+    if not completions_per_s > 0:  # also catches NaN
+        return math.inf
+    return (max(queue_len, 0) + 1) / completions_per_s
+
+
+def retry_after_s(
+    queue_len: int,
+    completions_per_s: float,
+    min_retry_after_s: float = 1.0,
+    max_retry_after_s: float = 60.0,
+) -> float:
+    """The Retry-After estimate (see the module docstring), whole seconds, clamped."""
+    drain_s = estimated_drain_s(queue_len, completions_per_s)
+    if math.isinf(drain_s):
+        return max_retry_after_s
+    return min(max_retry_after_s, max(min_retry_after_s, float(math.ceil(drain_s))))
+
+
+def on_fleet_saturated(
+    tier_priority: int,
+    queue_len: int,
+    queue_max: int,
+    lowest_priority_to_queue: int,
+    completions_per_s: float,
+    min_retry_after_s: float = 1.0,
+    max_retry_after_s: float = 60.0,
+) -> Queue | Shed:
+    """Queue or shed a request of `tier_priority` when no replica will take it now.
+
+    `completions_per_s` is the fleet's recent completion rate for the model (requests
+    finished per second); it sets both the queue's expected wait and Retry-After.
+    """
+
+    def shed(reason: str) -> Shed:
+        return Shed(
+            retry_after_s(queue_len, completions_per_s, min_retry_after_s, max_retry_after_s),
+            reason,
+        )
+
+    if tier_priority > lowest_priority_to_queue or lowest_priority_to_queue < 0 or queue_max <= 0:
+        return shed(f"fleet saturated; priority {tier_priority} is not queued")
+    tiers = lowest_priority_to_queue + 1
+    share = (lowest_priority_to_queue - max(tier_priority, 0) + 1) / tiers
+    allowed_len = queue_max * share
+    if queue_len >= allowed_len:
+        if queue_len >= queue_max:
+            return shed(f"fleet saturated; queue full ({queue_len}/{queue_max})")
+        return shed(
+            f"fleet saturated; priority {tier_priority}'s share of the queue is full "
+            f"({queue_len}/{allowed_len:g} of {queue_max})"
+        )
+    return Queue(expected_wait_s=estimated_drain_s(queue_len, completions_per_s))
