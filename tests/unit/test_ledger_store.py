@@ -10,11 +10,13 @@ from seawall.state.ledger import RestartLedger, RestartRecord
 
 async def test_restarts_are_found_by_node_and_time_window(tmp_path: Path) -> None:
     ledger = RestartLedger(tmp_path / "ledger.sqlite")
-    await ledger.record(RestartRecord(100.0, "n1", "r1", "hang"))
-    await ledger.record(RestartRecord(200.0, "n1", "r2", "engine_dead"))
-    await ledger.record(RestartRecord(250.0, "n2", "r3", "hang"))
+    await ledger.record(RestartRecord(node="n1", replica_id="r1", reason="hang", at_wall=100.0))
+    await ledger.record(
+        RestartRecord(node="n1", replica_id="r2", reason="engine_dead", at_wall=200.0)
+    )
+    await ledger.record(RestartRecord(node="n2", replica_id="r3", reason="hang", at_wall=250.0))
     assert await ledger.restarts("n1", since_wall=150.0) == [
-        RestartRecord(200.0, "n1", "r2", "engine_dead")
+        RestartRecord(node="n1", replica_id="r2", reason="engine_dead", at_wall=200.0)
     ]
     assert [r.replica_id for r in await ledger.restarts("n1", since_wall=0.0)] == ["r1", "r2"]
     assert await ledger.restarts("n3", since_wall=0.0) == []
@@ -24,7 +26,7 @@ async def test_restarts_are_found_by_node_and_time_window(tmp_path: Path) -> Non
 async def test_records_and_cordons_survive_reopening(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "ledger.sqlite"
     first = RestartLedger(path)
-    await first.record(RestartRecord(10.0, "n1", "r1", "hang"))
+    await first.record(RestartRecord(node="n1", replica_id="r1", reason="hang", at_wall=10.0))
     evidence = Evidence(
         node="n1",
         reasons=("3 restarts within 3600 s",),
@@ -35,7 +37,9 @@ async def test_records_and_cordons_survive_reopening(tmp_path: Path) -> None:
     await first.close()
 
     second = RestartLedger(path)
-    assert await second.restarts("n1", 0.0) == [RestartRecord(10.0, "n1", "r1", "hang")]
+    assert await second.restarts("n1", 0.0) == [
+        RestartRecord(node="n1", replica_id="r1", reason="hang", at_wall=10.0)
+    ]
     cordons = await second.cordoned_nodes()
     assert list(cordons) == ["n1"]
     assert cordons["n1"].evidence == evidence

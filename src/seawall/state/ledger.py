@@ -4,6 +4,10 @@ Owns the SQLite file (stdlib `sqlite3`, default) and its schema. The ledger is w
 "K restarts on one node within an hour" survive a gateway redeploy: without it a node that
 kills its replicas every 20 minutes would be forgiven at every rollout.
 
+Times are wall-clock (`at_wall`, unix seconds): the ledger outlives the process, so
+monotonic time would mean nothing after a restart. The record type is the policy's
+(`seawall.policy.ledger.RestartRecord`), re-exported here.
+
 Must not decide anything: whether a node should be cordoned is `seawall.policy`'s call.
 Calls run in a worker thread (`asyncio.to_thread`) so a slow disk never stalls the event
 loop; one lock serialises them because one connection is shared across those threads.
@@ -23,8 +27,11 @@ import orjson
 
 from seawall import clock
 from seawall.actuate.base import Evidence
+from seawall.policy.ledger import RestartRecord
 
 T = TypeVar("T")
+
+__all__ = ["CordonRecord", "RestartLedger", "RestartRecord"]
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -41,14 +48,6 @@ CREATE TABLE IF NOT EXISTS cordons (
     evidence TEXT NOT NULL
 );
 """
-
-
-@dataclass(frozen=True, slots=True)
-class RestartRecord:
-    at_wall: float  # unix seconds: the ledger outlives the process, so no monotonic time
-    node: str
-    replica_id: str
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +96,7 @@ class RestartLedger:
                 (node, since_wall),
             ).fetchall()
         )
-        return [RestartRecord(*row) for row in rows]
+        return [RestartRecord(node=n, replica_id=r, reason=why, at_wall=t) for t, n, r, why in rows]
 
     async def cordoned_nodes(self) -> dict[str, CordonRecord]:
         rows: list[tuple[str, float, str]] = await self._run(
