@@ -1,0 +1,290 @@
+"""Per-tenant limits state: the interface the gateway calls on every request, and the
+embedded in-memory backend.
+
+Owns: the `LimitsBackend` seam (`acquire` before forwarding, `release` when the request
+ends), the decision values (`Lease`, `Denied`), and `MemoryLimits`, the default backend,
+which holds one requests-per-minute bucket, one prompt-tokens-per-minute bucket and one
+set of in-flight leases per tenant, in this process only. `state/limits_redis.py` shares
+them across gateway processes and must decide exactly as this module does (a test runs
+the same operations through both).
+
+Must not: read the clock (`now` is an argument), log per request, or know about HTTP. The
+bucket arithmetic is `seawall.policy.token_bucket`; this module only composes buckets
+into an all-or-nothing admission.
+
+Shapes, for both backends:
+- A per-minute limit L is a bucket of capacity L refilling at L/60 per second: a tenant
+  may burst its whole minute at once, then continues at the steady rate.
+- `acquire` is all-or-nothing: when it is denied, no bucket and no slot is touched.
+- The prompt-token bucket is charged the up-front estimate; `release` charges or refunds
+  the difference with the engine's real `usage.prompt_tokens`, so estimates never drift.
+- Retry-After for a rate limit is exact: the time until this request's amount will have
+  refilled. A concurrency slot has no refill to compute from, so its Retry-After is the
+  median duration of the tenant's recent requests (a slot typically frees within one
+  request's duration), or 1 s before any request has finished.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from seawall.policy.token_bucket import TokenBucket
+
+DenyReason = Literal[
+    "requests_per_min", "prompt_tokens_per_min", "max_concurrent", "backend_unavailable"
+]
+
+# Retry-After for a full concurrency limit before any request of the tenant has finished.
+DEFAULT_CONCURRENCY_RETRY_S = 1.0
+# Added to every computed wait: coming back after exactly `retry_after_s` must succeed,
+# and without a margin float rounding can leave the bucket a hair short of `amount`.
+WAIT_MARGIN_S = 1e-5
+# How many finished requests per tenant the concurrency Retry-After estimate looks at.
+RECENT_DURATIONS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's limits; None means unlimited."""
+
+    requests_per_min: float | None = None
+    prompt_tokens_per_min: float | None = None
+    max_concurrent: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Granted: hold it for the request's lifetime and pass it to `release` exactly once
+    (a second release is ignored)."""
+
+    tenant: str
+    lease_id: str
+    charged_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    """Refused; nothing was taken. `retry_after_s` is `math.inf` when the request can never
+    be admitted (a prompt larger than the tenant's whole per-minute token budget): that is
+    a client error to report without a Retry-After, not a 429."""
+
+    reason: DenyReason
+    retry_after_s: float
+    message: str
+
+    @property
+    def never(self) -> bool:
+        return math.isinf(self.retry_after_s)
+
+
+class LimitsBackend(Protocol):
+    # True while a shared backend is unreachable and decisions are per-process or denied.
+    degraded: bool
+
+    async def acquire(
+        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+    ) -> Lease | Denied: ...
+
+    async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
+        """Free the lease's slot; with `actual_prompt_tokens` (the engine's usage), charge or
+        refund the difference from the estimate. Pass 0 for a request the engine never
+        saw, None when the real usage is unknown (the estimate then stands)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def bucket_shape(per_min: float) -> tuple[float, float]:
+    """(capacity, refill_per_s) of a per-minute limit."""
+    return per_min, per_min / 60.0
+
+
+def wait_s(level: float, amount: float, capacity: float, refill_per_s: float) -> float:
+    """Seconds until `amount` is available in a bucket at `level`: 0.0 if it is now,
+    `math.inf` if never. The same rule as `TokenBucket.try_take`, without taking, plus
+    `WAIT_MARGIN_S`."""
+    if amount > capacity:
+        return math.inf
+    if level >= amount:
+        return 0.0
+    if refill_per_s <= 0:
+        return math.inf
+    return (amount - level) / refill_per_s + WAIT_MARGIN_S
+
+
+def denial(reason: DenyReason, retry_after_s: float, limits: TenantLimits, amount: int) -> Denied:
+    """The `Denied` for a reason, with a message a client can act on."""
+    if reason == "requests_per_min":
+        message = f"Rate limit reached: {limits.requests_per_min:g} requests per minute."
+    elif reason == "prompt_tokens_per_min":
+        if math.isinf(retry_after_s):
+            message = (
+                f"This request has {amount} prompt tokens, more than the limit of "
+                f"{limits.prompt_tokens_per_min:g} prompt tokens per minute; it can never "
+                "be admitted. Shorten the prompt."
+            )
+        else:
+            message = (
+                f"Rate limit reached: {limits.prompt_tokens_per_min:g} prompt tokens per minute."
+            )
+    elif reason == "max_concurrent":
+        message = f"Too many concurrent requests: the limit is {limits.max_concurrent}."
+    else:
+        message = "The rate-limit backend is unavailable; try again shortly."
+    return Denied(reason, retry_after_s, message)
+
+
+def rate_decision(requests_wait_s: float, tokens_wait_s: float) -> tuple[DenyReason, float] | None:
+    """The binding rate limit, if any: both must be satisfied, so the longer wait decides
+    (requests per minute on a tie)."""
+    if requests_wait_s <= 0 and tokens_wait_s <= 0:
+        return None
+    if tokens_wait_s > requests_wait_s:
+        return "prompt_tokens_per_min", tokens_wait_s
+    return "requests_per_min", requests_wait_s
+
+
+class RecentDurations:
+    """The last few request durations of one tenant, for the concurrency Retry-After."""
+
+    def __init__(self, size: int = RECENT_DURATIONS) -> None:
+        self._durations_s: deque[float] = deque(maxlen=size)
+
+    def add(self, duration_s: float) -> None:
+        self._durations_s.append(max(0.0, duration_s))
+
+    def retry_after_s(self) -> float:
+        if not self._durations_s:
+            return DEFAULT_CONCURRENCY_RETRY_S
+        return statistics.median(self._durations_s)
+
+
+def _resized(bucket: TokenBucket | None, per_min: float | None, now: float) -> TokenBucket | None:
+    """The tenant's bucket after a limits change: keeps its level (clamped to the new
+    capacity) so a config reload neither forgives debt nor grants a fresh burst. The Redis
+    script applies the same rule to its stored level."""
+    if per_min is None:
+        return None
+    capacity, refill_per_s = bucket_shape(per_min)
+    if bucket is None:
+        return TokenBucket.full(capacity, refill_per_s, now)
+    bucket.capacity, bucket.refill_per_s = capacity, refill_per_s
+    bucket.tokens = min(bucket.tokens, capacity)
+    return bucket
+
+
+@dataclass(slots=True)
+class _TenantState:
+    limits: TenantLimits
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    leases: dict[str, float] = field(default_factory=dict)  # lease id -> acquired at
+    durations: RecentDurations = field(default_factory=RecentDurations)
+
+
+class MemoryLimits:
+    """Per-process limits: exact within one gateway process, no coordination across them.
+
+    The methods are `async` for the interface but never await, so each call is atomic on
+    the event loop without a lock.
+    """
+
+    def __init__(self, lease_ttl_s: float | None = None) -> None:
+        # A lease older than this no longer holds a slot: a safety net for a caller that
+        # lost a lease; the gateway releases every lease it takes.
+        self._lease_ttl_s = lease_ttl_s
+        self._tenants: dict[str, _TenantState] = {}
+        self.degraded = False
+
+    def _state(self, tenant: str, limits: TenantLimits, now: float) -> _TenantState:
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = _TenantState(
+                limits,
+                _resized(None, limits.requests_per_min, now),
+                _resized(None, limits.prompt_tokens_per_min, now),
+            )
+            self._tenants[tenant] = state
+        elif state.limits != limits:
+            state.requests = _resized(state.requests, limits.requests_per_min, now)
+            state.tokens = _resized(state.tokens, limits.prompt_tokens_per_min, now)
+            state.limits = limits
+        return state
+
+    def _expire_leases(self, state: _TenantState, now: float) -> None:
+        if self._lease_ttl_s is None:
+            return
+        oldest_allowed = now - self._lease_ttl_s
+        for lease_id in [k for k, at in state.leases.items() if at <= oldest_allowed]:
+            del state.leases[lease_id]
+
+    def holds(self, lease: Lease) -> bool:
+        """True if this backend granted `lease` and it has not been released."""
+        state = self._tenants.get(lease.tenant)
+        return state is not None and lease.lease_id in state.leases
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return 0 if state is None else len(state.leases)
+
+    async def acquire(
+        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+    ) -> Lease | Denied:
+        if prompt_tokens < 0:
+            raise ValueError("prompt_tokens must be >= 0")
+        state = self._state(tenant, limits, now)
+        requests, tokens = state.requests, state.tokens
+        requests_wait = (
+            0.0
+            if requests is None
+            else wait_s(requests.level(now), 1, requests.capacity, requests.refill_per_s)
+        )
+        tokens_wait = (
+            0.0
+            if tokens is None
+            else wait_s(tokens.level(now), prompt_tokens, tokens.capacity, tokens.refill_per_s)
+        )
+        binding = rate_decision(requests_wait, tokens_wait)
+        if binding is not None:
+            return denial(binding[0], binding[1], limits, prompt_tokens)
+        if limits.max_concurrent is not None:
+            if len(state.leases) >= limits.max_concurrent:
+                self._expire_leases(state, now)
+            if len(state.leases) >= limits.max_concurrent:
+                return denial("max_concurrent", state.durations.retry_after_s(), limits, 0)
+        # Every check passed at this same `now`, so these takes cannot fail.
+        if requests is not None:
+            requests.try_take(1, now)
+        if tokens is not None:
+            tokens.try_take(prompt_tokens, now)
+        lease_id = uuid.uuid4().hex
+        state.leases[lease_id] = now
+        return Lease(tenant, lease_id, prompt_tokens if tokens is not None else 0)
+
+    async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
+        state = self._tenants.get(lease.tenant)
+        if state is None:
+            return
+        acquired_at = state.leases.pop(lease.lease_id, None)
+        if acquired_at is None:
+            return  # released twice, or expired: never reconcile twice
+        state.durations.add(now - acquired_at)
+        if actual_prompt_tokens is None or state.tokens is None:
+            return
+        difference = actual_prompt_tokens - lease.charged_prompt_tokens
+        if difference > 0:
+            state.tokens.charge(difference, now)
+        elif difference < 0:
+            state.tokens.refund(-difference, now)
+
+    def retry_after_for_concurrency(self, tenant: str) -> float:
+        state = self._tenants.get(tenant)
+        return DEFAULT_CONCURRENCY_RETRY_S if state is None else state.durations.retry_after_s()
+
+    async def close(self) -> None:
+        self._tenants.clear()
