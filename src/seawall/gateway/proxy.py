@@ -138,7 +138,7 @@ class Proxy:
         if gw.guard is not None:
             ctx.stage = "queued"
             await gw.guard.admit(request, ctx)
-        ctx.stage = "before_first_token"
+        ctx.stage = "before_first_token" if req.stream else "non_streaming"
         opened = await self._open(ctx)
         if not req.stream:
             return await self._finish_unary(ctx, opened)
