@@ -32,6 +32,7 @@ class EngineNames:
     # otherwise, because a counter updated only when a request finishes cannot tell a
     # long stream from a hung one.
     progress_total: str | None
+    ttft_seconds: str | None = None  # histogram family: engine-side time to first token
 
 
 # Names per /work/shared/reference/engines.md: §1.2 (vLLM 0.33), §4 (the others).
@@ -43,6 +44,7 @@ ENGINE_NAMES: Mapping[str, EngineNames] = {
         kv_usage="vllm:kv_cache_usage_perc",
         preemptions_total="vllm:num_preemptions_total",
         progress_total="vllm:generation_tokens_total",
+        ttft_seconds="vllm:time_to_first_token_seconds",
     ),
     "sglang": EngineNames(
         engine="sglang",
@@ -52,6 +54,7 @@ ENGINE_NAMES: Mapping[str, EngineNames] = {
         # Retraction is SGLang's preemption.
         preemptions_total="sglang:num_retracted_requests_total",
         progress_total="sglang:generation_tokens_total",
+        ttft_seconds="sglang:time_to_first_token_seconds",
     ),
     "tgi": EngineNames(
         engine="tgi",
