@@ -58,13 +58,8 @@ def test_the_five_domains_each_have_controls_and_proof() -> None:
 
 
 def test_every_proof_metric_is_exported_by_the_gateway_or_vllm() -> None:
-    metrics = Metrics()
-    # Labelled families print nothing until a child exists.
-    for collector in list(metrics.__dict__.values()):
-        names = getattr(collector, "_labelnames", None)
-        if names:
-            collector.labels(*["x"] * len(names))
-    known = exposed_sample_names(generate_latest(metrics.registry).decode())
+    # Labelled families with no child yet count by their TYPE line.
+    known = exposed_sample_names(generate_latest(Metrics().registry).decode())
     known |= exposed_sample_names(GOLDEN.read_text())
     for d in DOMAINS:
         for expr in d.proof:

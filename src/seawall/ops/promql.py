@@ -98,10 +98,16 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exposed_sample_names(text: str) -> set[str]:
-    """Sample names in a Prometheus text (or OpenMetrics) exposition."""
+    """Sample names in a Prometheus text (or OpenMetrics) exposition, including the
+    samples a `# TYPE` line declares: a labelled family with no child yet prints only
+    its HELP and TYPE, and it is exported all the same (its series appear with traffic).
+    """
     names: set[str] = set()
     for line in text.splitlines():
         line = line.strip()
+        if line.startswith("# TYPE "):
+            names |= _declared(line.split()[2:])
+            continue
         if not line or line.startswith("#"):
             continue
         end = len(line)
@@ -111,3 +117,16 @@ def exposed_sample_names(text: str) -> set[str]:
                 end = min(end, at)
         names.add(line[:end])
     return names
+
+
+def _declared(fields: list[str]) -> set[str]:
+    if len(fields) < 2:
+        return set()
+    name, kind = fields[0], fields[1]
+    if kind in ("histogram", "gaugehistogram"):
+        return {name + "_bucket", name + "_sum", name + "_count"}
+    if kind == "summary":
+        return {name, name + "_sum", name + "_count"}
+    if kind == "counter" and not name.endswith("_total"):
+        return {name + "_total"}  # OpenMetrics declares counters without the suffix
+    return {name}
