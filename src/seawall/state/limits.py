@@ -219,8 +219,8 @@ class MemoryLimits:
     def _expire_leases(self, state: _TenantState, now: float) -> None:
         if self._lease_ttl_s is None:
             return
-        oldest_allowed = now - self._lease_ttl_s
-        for lease_id in [k for k, at in state.leases.items() if at <= oldest_allowed]:
+        ttl_s = self._lease_ttl_s
+        for lease_id in [k for k, at in state.leases.items() if at + ttl_s <= now]:
             del state.leases[lease_id]
 
     def holds(self, lease: Lease) -> bool:
@@ -273,6 +273,8 @@ class MemoryLimits:
         acquired_at = state.leases.pop(lease.lease_id, None)
         if acquired_at is None:
             return  # released twice, or expired: never reconcile twice
+        if self._lease_ttl_s is not None and acquired_at + self._lease_ttl_s <= now:
+            return  # expired: its slot was already free, and the Redis backend agrees
         state.durations.add(now - acquired_at)
         if actual_prompt_tokens is None or state.tokens is None:
             return

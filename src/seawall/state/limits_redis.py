@@ -1,0 +1,365 @@
+"""Per-tenant limits shared by every gateway process through Redis.
+
+Owns: `RedisLimits`, a `LimitsBackend` whose whole acquire (both buckets and the
+concurrency slot, all-or-nothing) is one Lua script and whose release (free the slot,
+reconcile the token charge) is another: one round trip each, atomic on the server, so
+gateway processes never race each other. Also owns what happens when Redis is
+unreachable (`fail_mode`).
+
+Must not: retry a script call (a retried acquire whose first reply was merely late would
+charge twice), block longer than its short socket timeouts, or log per request.
+
+Decisions match `MemoryLimits` exactly: the scripts reimplement `policy.token_bucket`'s
+arithmetic in Lua over doubles, operation for operation, and a test runs one sequence of
+operations through both backends and compares every decision.
+
+Time: the scripts read Redis's own clock (`TIME`), so gateway hosts with skewed clocks
+share one timeline. (`clock="caller"` makes them use the caller's `now` instead: only for
+tests that step time exactly.)
+
+Concurrency: each tenant's in-flight leases are a sorted set of lease ids scored by
+expiry (acquire time + `lease_ttl_s`). A gateway that crashes holding leases loses them
+when they expire; set `lease_ttl_s` to the longest a request may take (the total request
+timeout) plus a margin. Expired leases are never reconciled.
+
+Unreachable Redis (refused, reset, timed out): `fail_mode="open"` decides with a
+per-process `MemoryLimits` (each process enforces the full limits on its own, so N
+gateways admit up to N times the limit) and sets `degraded`; `fail_mode="closed"` denies
+with `backend_unavailable`. Either way Redis is tried again at most once per
+`reconnect_interval_s` (by the first request after the interval), and the transitions
+are logged once each, not per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from seawall.state.limits import (
+    WAIT_MARGIN_S,
+    Denied,
+    Lease,
+    MemoryLimits,
+    RecentDurations,
+    TenantLimits,
+    bucket_shape,
+    denial,
+)
+
+log = logging.getLogger(__name__)
+
+# Shared by both scripts: the clock, and TokenBucket's arithmetic. Every expression mirrors
+# `seawall.policy.token_bucket` in the same order, so that the doubles come out identical.
+_LUA_COMMON = r"""
+local function clock(override)
+  if override ~= '' then return tonumber(override) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- A missing bucket is full: buckets expire only once they would have refilled.
+local function load(key, capacity, now)
+  local v = redis.call('HMGET', key, 'tokens', 'updated_at')
+  if not v[1] then return capacity, now end
+  -- Limits may have shrunk since the level was stored (MemoryLimits does the same).
+  return math.min(tonumber(v[1]), capacity), tonumber(v[2])
+end
+
+local function refilled(tokens, updated_at, capacity, refill, now)
+  local elapsed = math.max(0.0, now - updated_at)
+  if tokens >= capacity then return tokens end
+  return math.min(capacity, tokens + elapsed * refill)
+end
+
+local function store(key, tokens, updated_at, capacity, refill)
+  redis.call('HSET', key, 'tokens', string.format('%.17g', tokens),
+    'updated_at', string.format('%.17g', updated_at))
+  if refill > 0 then
+    -- Once full it is indistinguishable from a missing key; 60 s of margin for skew.
+    local to_full_s = math.max(0, capacity - tokens) / refill
+    redis.call('PEXPIRE', key, math.ceil((to_full_s + 60) * 1000))
+  end
+end
+"""
+
+# KEYS: requests bucket, tokens bucket, leases zset.
+# ARGV: now override ('' = server TIME), requests capacity ('' = unlimited), requests
+# refill/s, tokens capacity ('' = unlimited), tokens refill/s, prompt tokens,
+# max concurrent ('' = unlimited), lease id, lease ttl s, limits.WAIT_MARGIN_S.
+# Returns {1} when granted, else {0, reason, retry_after_s as a string} ('' for
+# max_concurrent: the caller estimates it).
+_ACQUIRE_LUA = (
+    _LUA_COMMON
+    + r"""
+local now = clock(ARGV[1])
+local amount = tonumber(ARGV[6])
+local WAIT_MARGIN_S = tonumber(ARGV[10])
+
+local function wait_s(level, need, capacity, refill)
+  if need > capacity then return 1/0 end
+  if level >= need then return 0.0 end
+  if refill <= 0 then return 1/0 end
+  return (need - level) / refill + WAIT_MARGIN_S
+end
+
+local buckets = {}
+local waits = {0.0, 0.0}
+local needs = {1, amount}
+for i = 1, 2 do
+  local cap_arg = ARGV[2 * i]
+  if cap_arg ~= '' then
+    local capacity, refill = tonumber(cap_arg), tonumber(ARGV[2 * i + 1])
+    local tokens, updated_at = load(KEYS[i], capacity, now)
+    local level = refilled(tokens, updated_at, capacity, refill, now)
+    buckets[i] = {capacity, refill, level, math.max(updated_at, now)}
+    waits[i] = wait_s(level, needs[i], capacity, refill)
+  end
+end
+
+if waits[1] > 0 or waits[2] > 0 then
+  if waits[2] > waits[1] then
+    return {0, 'prompt_tokens_per_min', string.format('%.17g', waits[2])}
+  end
+  return {0, 'requests_per_min', string.format('%.17g', waits[1])}
+end
+
+local ttl_s = tonumber(ARGV[9])
+-- Pruned even without a concurrency limit, so a crashed gateway's leases never pile up.
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if ARGV[7] ~= '' then
+  if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[7]) then
+    return {0, 'max_concurrent', ''}
+  end
+end
+
+for i = 1, 2 do
+  local b = buckets[i]
+  if b then store(KEYS[i], b[3] - needs[i], b[4], b[1], b[2]) end
+end
+-- Every lease is recorded, limited or not, so that a second release is recognised.
+redis.call('ZADD', KEYS[3], now + ttl_s, ARGV[8])
+redis.call('PEXPIRE', KEYS[3], math.ceil((ttl_s + 60) * 1000))
+return {1}
+"""
+)
+
+# KEYS: tokens bucket, leases zset.
+# ARGV: now override, lease id, tokens to charge (> 0) or refund (< 0) ('' = none),
+# tokens capacity, tokens refill/s.
+# Returns 1 if the lease was held (and reconciled), 0 if it was unknown or had expired.
+_RELEASE_LUA = (
+    _LUA_COMMON
+    + r"""
+local now = clock(ARGV[1])
+local expires_at = redis.call('ZSCORE', KEYS[2], ARGV[2])
+if not expires_at then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[2])
+-- Expired but not yet pruned: the same as pruned (MemoryLimits agrees).
+if tonumber(expires_at) <= now then return 0 end
+if ARGV[3] == '' or ARGV[4] == '' then return 1 end
+local difference = tonumber(ARGV[3])
+local capacity, refill = tonumber(ARGV[4]), tonumber(ARGV[5])
+local tokens, updated_at = load(KEYS[1], capacity, now)
+tokens = refilled(tokens, updated_at, capacity, refill, now)
+updated_at = math.max(updated_at, now)
+if difference > 0 then
+  tokens = tokens - difference
+else
+  tokens = math.min(capacity, tokens + (-difference))
+end
+store(KEYS[1], tokens, updated_at, capacity, refill)
+return 1
+"""
+)
+
+
+def _num(value: float | None) -> str:
+    # repr() is the shortest string that parses back to the same double, in Lua too.
+    return "" if value is None else repr(float(value))
+
+
+def _hash_tag(tenant: str) -> str:
+    # All of a tenant's keys share one `{...}` hash tag so a Redis Cluster puts them in one
+    # slot, as a multi-key script requires; braces in the name would end the tag early.
+    return tenant.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+class RedisLimits:
+    """Limits shared through one Redis; falls back or denies when Redis is unreachable."""
+
+    def __init__(
+        self,
+        url: str,
+        fail_mode: Literal["open", "closed"] = "open",
+        key_prefix: str = "seawall:limits:",
+        *,
+        lease_ttl_s: float = 660.0,
+        socket_timeout_s: float = 0.1,
+        reconnect_interval_s: float = 2.0,
+        clock: Literal["server", "caller"] = "server",
+    ) -> None:
+        if fail_mode not in ("open", "closed"):
+            raise ValueError(f"fail_mode must be 'open' or 'closed', not {fail_mode!r}")
+        self.fail_mode = fail_mode
+        self.key_prefix = key_prefix
+        self.lease_ttl_s = lease_ttl_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self._caller_clock = clock == "caller"
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            # No retries: a script whose reply was lost may have run, and running an
+            # acquire twice would charge twice. The caller falls back instead.
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            decode_responses=True,
+        )
+        # redis-py loads a script with SCRIPT LOAD on the first NOSCRIPT reply (after a
+        # Redis restart) and retries the EVALSHA once; otherwise one round trip per call.
+        self._acquire_script = self._redis.register_script(_ACQUIRE_LUA)
+        self._release_script = self._redis.register_script(_RELEASE_LUA)
+        self.fallback = MemoryLimits(lease_ttl_s=lease_ttl_s)
+        self.degraded = False
+        self._next_attempt_at = 0.0  # while degraded: when Redis may be tried again
+        # Last limits seen per tenant: release needs the token bucket's shape.
+        self._limits: dict[str, TenantLimits] = {}
+        # Per-process view for the concurrency Retry-After (see limits.py).
+        self._acquired_at: dict[str, float] = {}
+        self._durations: dict[str, RecentDurations] = {}
+
+    def keys(self, tenant: str) -> tuple[str, str, str]:
+        """(requests bucket, prompt-tokens bucket, leases) keys of a tenant."""
+        base = f"{self.key_prefix}{{{_hash_tag(tenant)}}}"
+        return f"{base}:requests", f"{base}:prompt_tokens", f"{base}:leases"
+
+    def _use_redis(self, now: float) -> bool:
+        if not self.degraded:
+            return True
+        if now < self._next_attempt_at:
+            return False
+        # This request probes; the others keep the fallback until it has answered.
+        self._next_attempt_at = now + self.reconnect_interval_s
+        return True
+
+    async def _went_down(self, now: float, error: BaseException) -> None:
+        self._next_attempt_at = now + self.reconnect_interval_s
+        if self.degraded:
+            return
+        self.degraded = True
+        action = (
+            "per-process limits until it recovers"
+            if self.fail_mode == "open"
+            else "denying requests until it recovers"
+        )
+        log.warning("limits backend unreachable (%s: %s); %s", type(error).__name__, error, action)
+        # Drop every pooled connection: after a Redis restart they are all dead, and the
+        # next probe must open a fresh one rather than fail on a stale one.
+        try:
+            await self._redis.connection_pool.disconnect()
+        except (RedisError, OSError):
+            pass
+
+    def _came_back(self) -> None:
+        if self.degraded:
+            self.degraded = False
+            log.warning("limits backend reachable again; shared limits restored")
+
+    async def _unavailable(
+        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+    ) -> Lease | Denied:
+        if self.fail_mode == "open":
+            return await self.fallback.acquire(tenant, limits, prompt_tokens, now)
+        retry_after_s = max(1.0, self._next_attempt_at - now)
+        return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
+
+    async def acquire(
+        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+    ) -> Lease | Denied:
+        if prompt_tokens < 0:
+            raise ValueError("prompt_tokens must be >= 0")
+        self._limits[tenant] = limits
+        if not self._use_redis(now):
+            return await self._unavailable(tenant, limits, prompt_tokens, now)
+        requests_capacity = requests_refill = tokens_capacity = tokens_refill = None
+        if limits.requests_per_min is not None:
+            requests_capacity, requests_refill = bucket_shape(limits.requests_per_min)
+        if limits.prompt_tokens_per_min is not None:
+            tokens_capacity, tokens_refill = bucket_shape(limits.prompt_tokens_per_min)
+        lease_id = "r" + uuid.uuid4().hex
+        args = [
+            _num(now) if self._caller_clock else "",
+            _num(requests_capacity),
+            _num(requests_refill),
+            _num(tokens_capacity),
+            _num(tokens_refill),
+            str(prompt_tokens),
+            "" if limits.max_concurrent is None else str(limits.max_concurrent),
+            lease_id,
+            _num(self.lease_ttl_s),
+            _num(WAIT_MARGIN_S),
+        ]
+        try:
+            reply: Any = await self._acquire_script(keys=self.keys(tenant), args=args)
+        except (RedisError, OSError, TimeoutError) as error:
+            await self._went_down(now, error)
+            return await self._unavailable(tenant, limits, prompt_tokens, now)
+        self._came_back()
+        if int(reply[0]) == 1:
+            self._acquired_at[lease_id] = now
+            charged = prompt_tokens if limits.prompt_tokens_per_min is not None else 0
+            return Lease(tenant, lease_id, charged)
+        reason = str(reply[1])
+        if reason == "max_concurrent":
+            durations = self._durations.get(tenant)
+            retry_after_s = durations.retry_after_s() if durations else 1.0
+            return denial("max_concurrent", retry_after_s, limits, prompt_tokens)
+        if reason == "prompt_tokens_per_min":
+            return denial("prompt_tokens_per_min", float(reply[2]), limits, prompt_tokens)
+        return denial("requests_per_min", float(reply[2]), limits, prompt_tokens)
+
+    async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
+        if self.fallback.holds(lease):
+            await self.fallback.release(lease, actual_prompt_tokens, now)
+            return
+        acquired_at = self._acquired_at.pop(lease.lease_id, None)
+        if acquired_at is None:
+            return  # released twice
+        if self.degraded:
+            # Only acquires probe Redis. The lease expires there by its TTL and its
+            # estimate stands: the safe side of a lost reconciliation.
+            return
+        limits = self._limits.get(lease.tenant, TenantLimits())
+        difference: int | None = None
+        if actual_prompt_tokens is not None and limits.prompt_tokens_per_min is not None:
+            difference = actual_prompt_tokens - lease.charged_prompt_tokens
+        tokens_capacity = tokens_refill = None
+        if limits.prompt_tokens_per_min is not None:
+            tokens_capacity, tokens_refill = bucket_shape(limits.prompt_tokens_per_min)
+        _, tokens_key, leases_key = self.keys(lease.tenant)
+        args = [
+            _num(now) if self._caller_clock else "",
+            lease.lease_id,
+            "" if not difference else str(difference),
+            _num(tokens_capacity),
+            _num(tokens_refill),
+        ]
+        try:
+            held: Any = await self._release_script(keys=[tokens_key, leases_key], args=args)
+        except (RedisError, OSError, TimeoutError) as error:
+            await self._went_down(now, error)
+            return
+        self._came_back()
+        if int(held) == 1:  # finished within its lease (as MemoryLimits counts them)
+            self._durations.setdefault(lease.tenant, RecentDurations()).add(now - acquired_at)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+        await self.fallback.close()
