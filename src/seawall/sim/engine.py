@@ -124,6 +124,7 @@ class Engine:
         self.accepting = True
         self.dead = False
         self.steps = 0
+        self.last_step_cost_s = 0.0
         self._on_crash = on_crash
         self._on_engine_dead = on_engine_dead
         self._work = asyncio.Event()
@@ -258,7 +259,8 @@ class Engine:
                 if stream is not None:
                     stream.first_scheduled_s = started_s
                     self.metrics.queue_time.observe(started_s - stream.arrival_s)
-            delay_s = started_s + result.cost_s * self.faults.slow_factor - clock.monotonic()
+            self.last_step_cost_s = result.cost_s * self.faults.slow_factor
+            delay_s = started_s + self.last_step_cost_s - clock.monotonic()
             # always yield, so that handlers run between steps even at zero cost
             await asyncio.sleep(delay_s if delay_s > 0 else 0)
             if self._died_meanwhile():
@@ -393,6 +395,7 @@ class Engine:
             "waiting": [r.request_id for r in s.waiting],
             "num_preemptions_total": s.num_preemptions_total,
             "steps": self.steps,
+            "last_step_cost_s": self.last_step_cost_s,
             "generated_tokens_total": self.generated_tokens_total,
             "dead": self.dead,
             "accepting": self.accepting,
