@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seawall.state.limits import Denied, Lease, MemoryLimits, TenantLimits
+from seawall.state.limits import (
+    Denied,
+    Lease,
+    MemoryLimits,
+    TenantLimits,
+    denied_error,
+    open_limits_backend,
+)
 
 
 def about(seconds: float) -> object:
@@ -176,3 +183,34 @@ async def test_admitted_never_exceeds_burst_plus_refill(rpm: int, steps_s: list[
             admitted += 1
             now += result.retry_after_s
         assert admitted <= rpm + rpm / 60.0 * now + 1e-6
+
+
+async def test_denials_become_the_errors_a_client_can_act_on() -> None:
+    backend = MemoryLimits()
+    limits = TenantLimits(requests_per_min=60, prompt_tokens_per_min=600, max_concurrent=1)
+    held = await take(backend, limits, 600, now=0.0)
+    assert isinstance(held, Lease)
+
+    rate = await take(backend, limits, 30, now=0.0)  # 30 tokens at 10/s: back in 3 s
+    assert isinstance(rate, Denied)
+    error = denied_error(rate)
+    assert error.status == 429 and error.headers["Retry-After"] == "4"  # 3.00001 s, rounded up
+    assert error.body()["error"]["type"] == "RateLimitError"
+    assert error.body()["error"]["code"] == "rate_limit_exceeded"
+
+    concurrency = await take(backend, limits, 0, now=0.0)
+    assert isinstance(concurrency, Denied)
+    error = denied_error(concurrency)
+    assert (error.status, error.headers["Retry-After"]) == (429, "1")
+
+    too_large = await take(backend, limits, 601, now=0.0)
+    assert isinstance(too_large, Denied)
+    never = denied_error(too_large)
+    assert never.status == 400 and "Retry-After" not in never.headers
+
+    down = denied_error(Denied("backend_unavailable", 2.5, "down"))
+    assert (down.status, down.headers["Retry-After"]) == (503, "3")
+
+
+def test_without_a_redis_url_the_backend_is_in_memory() -> None:
+    assert isinstance(open_limits_backend(None), MemoryLimits)

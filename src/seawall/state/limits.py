@@ -8,9 +8,10 @@ set of in-flight leases per tenant, in this process only. `state/limits_redis.py
 them across gateway processes and must decide exactly as this module does (a test runs
 the same operations through both).
 
-Must not: read the clock (`now` is an argument), log per request, or know about HTTP. The
-bucket arithmetic is `seawall.policy.token_bucket`; this module only composes buckets
-into an all-or-nothing admission.
+Must not: read the clock (`now` is an argument), log per request, or do I/O. The bucket
+arithmetic is `seawall.policy.token_bucket`; this module only composes buckets into an
+all-or-nothing admission. `denied_error` turns a denial into the client's OpenAI-shaped
+error so that every gateway layer reports limits the same way.
 
 Shapes, for both backends:
 - A per-minute limit L is a bucket of capacity L refilling at L/60 per second: a tenant
@@ -33,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from seawall.errors import ApiError, rate_limited, unavailable
 from seawall.policy.token_bucket import TokenBucket
 
 DenyReason = Literal[
@@ -147,6 +149,36 @@ def rate_decision(requests_wait_s: float, tokens_wait_s: float) -> tuple[DenyRea
     if tokens_wait_s > requests_wait_s:
         return "prompt_tokens_per_min", tokens_wait_s
     return "requests_per_min", requests_wait_s
+
+
+def denied_error(denied: Denied) -> ApiError:
+    """The client's error for a denial: 429 with Retry-After for a limit, 503 with
+    Retry-After while the shared backend is down (fail-closed), and a 400 without
+    Retry-After for a prompt that can never fit (a 429 would make SDKs retry in vain)."""
+    if denied.reason == "backend_unavailable":
+        return unavailable(denied.message, denied.retry_after_s, code="limits_unavailable")
+    if denied.never:
+        return ApiError(400, denied.message, code="prompt_exceeds_token_rate_limit")
+    if denied.reason == "max_concurrent":
+        return rate_limited(denied.message, denied.retry_after_s, code="concurrency_limit_exceeded")
+    # OpenAI's code for both of its per-minute limits.
+    return rate_limited(denied.message, denied.retry_after_s, code="rate_limit_exceeded")
+
+
+def open_limits_backend(
+    redis_url: str | None,
+    *,
+    fail_mode: Literal["open", "closed"] = "open",
+    key_prefix: str = "seawall:limits:",
+    lease_ttl_s: float = 660.0,
+) -> LimitsBackend:
+    """The configured backend: shared through Redis when a URL is given, else in-memory.
+    Constructing either does no I/O (Redis connects on the first request)."""
+    if redis_url is None:
+        return MemoryLimits(lease_ttl_s=lease_ttl_s)
+    from seawall.state.limits_redis import RedisLimits  # only deployments with Redis
+
+    return RedisLimits(redis_url, fail_mode, key_prefix, lease_ttl_s=lease_ttl_s)
 
 
 class RecentDurations:
