@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _n(x: float) -> str:
-    return f"{x:,.1f}"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:,.1f}"
 
 
 def render_table(
