@@ -422,3 +422,41 @@ async def test_redis_outage_fails_open_or_closed_and_recovers(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in messages) == 2
     assert sum("reachable again" in m for m in messages) == 2
+
+
+async def test_an_unresponsive_redis_is_probed_once_per_interval_not_per_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Redis that accepts connections but never answers (a hung host): requests are
+    refused fast without touching it, and it is tried again once per interval."""
+    connections: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.read()  # never answers; returns when the client hangs up
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backend = RedisLimits(
+        f"redis://127.0.0.1:{port}/0",
+        "closed",
+        "hung:",
+        socket_timeout_s=0.05,
+        reconnect_interval_s=1.0,
+    )
+    caplog.set_level(logging.INFO, logger="seawall.state.limits_redis")
+    try:
+        results = [
+            await backend.acquire("acme", TenantLimits(requests_per_min=10), 0, now=i * 0.01)
+            for i in range(300)  # 3 s of caller time, 100 requests per second
+        ]
+    finally:
+        await backend.close()
+        for writer in connections:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert backend.degraded
+    assert all(isinstance(r, Denied) and r.reason == "backend_unavailable" for r in results)
+    assert len(connections) == 3  # at 0 s, 1 s and 2 s of caller time
+    assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
