@@ -215,3 +215,10 @@ def test_committed_rule_file_passes_promtool_check() -> None:
     path = REPO / "deploy" / "prometheus" / "seawall-rules.yml"
     result = _promtool("check", "rules", str(path), cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_example_prometheus_config_loads_the_rules() -> None:
+    path = REPO / "deploy" / "prometheus" / "prometheus.yml"
+    result = _promtool("check", "config", str(path), cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "seawall-rules.yml" in result.stdout + result.stderr

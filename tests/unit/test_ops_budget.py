@@ -152,3 +152,37 @@ def test_cli_table_names_the_verdict() -> None:
 
 def _fields(i: BudgetInputs) -> dict[str, object]:
     return {name: getattr(i, name) for name in i.__dataclass_fields__}
+
+
+def test_the_worked_example_in_the_docs_is_what_the_command_prints() -> None:
+    from tests.support.procs import REPO
+
+    doc = (REPO / "docs" / "budget.md").read_text()
+    out = subprocess.run(
+        seawall_argv(
+            "budget",
+            "--replicas",
+            "4",
+            "--streams-per-replica",
+            "8",
+            "--slo",
+            "0.9999",
+            "--crashes",
+            "2",
+            "--restart-s",
+            "120",
+            "--workload",
+            "chat:0.9:10",
+            "--workload",
+            "agent:0.1:100",
+            "--rollouts",
+            "4",
+            "--max-streams-per-replica",
+            "10",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out in doc, "docs/budget.md: paste the new output of the worked example"
