@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). Keep sorted by the order a newcomer meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("seawall.up.cli", "start a local fleet (replicas + gateway) with a live view"),
     "serve": ("seawall.gateway.serve_cli", "run the gateway in front of engine replicas"),
     "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
     "keys": ("seawall.keys_cli", "mint a tenant's API key (printed once; only its hash is kept)"),

@@ -195,6 +195,8 @@ async def _one_request(
                     "ok", status, None, clock.monotonic() - started, tokens, True, "", started
                 )
             buffer = b""
+            # Read on after [DONE] to the end of the body, as the OpenAI SDK does: leaving
+            # early resets the connection under a server still finishing its response.
             async for raw in resp.content:
                 buffer += raw
                 if not buffer.endswith(b"\n"):
@@ -204,10 +206,9 @@ async def _one_request(
                     continue
                 if state.feed(line[5:].strip()) and ttft_s is None:
                     ttft_s = clock.monotonic() - started
-                if state.done:
-                    break
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
-        state.error = state.error or f"{type(e).__name__}: {e}"[:200]
+        if not state.done:  # after [DONE] the user already has the whole answer
+            state.error = state.error or f"{type(e).__name__}: {e}"[:200]
     total_s = clock.monotonic() - started
     tokens = state.usage_tokens if state.usage_tokens is not None else state.chunks_with_text
     clean = state.done and not state.error

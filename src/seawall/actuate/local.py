@@ -427,6 +427,8 @@ class LocalSupervisor:
                 if asked := _pending_restart(rep):  # restart() cut the backoff short
                     rep.reason = f"restarted: {asked}"
                     rep.restart_requested = ""
+                else:
+                    rep.reason = f"restart after crash {rep.crash_streak}"
                 rep.restarts += 1
         finally:
             await self._kill_now(rep)

@@ -1,0 +1,185 @@
+"""`seawall up` configuration: the local fleet, the gateway in front of it, optional traffic.
+
+Owns: the schema (every default documented here once), YAML loading with errors that
+name the field and what it accepts, the built-in `--demo` config, and merging the
+started replicas into the gateway's config.
+
+Must not: know the gateway's schema. `gateway:` is the lead's `seawall serve` config,
+passed through as an opaque mapping; `up` only adds `replicas:` and `listen:` to it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from seawall.actuate.local import DEFAULT_COMMAND, render_command
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class UpConfigError(ValueError):
+    """A config that does not validate; the message names each bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FleetConfig(_Strict):
+    replicas: Annotated[int, Field(ge=1, le=64)] = 3
+    model: Annotated[str, Field(min_length=1)] = "sim-model"
+    # argv template with {port} {model} {replica} {index}; None = `seawall sim` (this Python)
+    command: list[str] | None = None
+    # a replica is `starting` (never restarted) until /health answers 200 or this expires
+    startup_allowance_s: PositiveSeconds = 600.0
+    node: Annotated[str, Field(min_length=1)] = "local"
+    env: dict[str, str] = Field(default_factory=dict)  # added to each replica's environment
+    health_path: str = "/health"
+    stop_grace_s: PositiveSeconds = 10.0  # SIGTERM -> SIGKILL on shutdown
+
+    @field_validator("command")
+    @classmethod
+    def _command_renders(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must be a non-empty list of strings, or null for seawall sim")
+            render_command(value, port=1, model="m", replica="r0", index=0)
+        return value
+
+    @field_validator("health_path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/', e.g. /health")
+        return value
+
+
+class TrafficConfig(_Strict):
+    """Steady traffic from `seawall.loadgen`, so the view shows the system working."""
+
+    concurrency: Annotated[int, Field(ge=1, le=256)] = 2
+    prompt_tokens: Annotated[int, Field(ge=1)] = 64
+    max_tokens: Annotated[int, Field(ge=1)] = 32
+    chat: bool = False
+    api_key: str | None = None
+    max_requests: Annotated[int, Field(ge=1)] = 100_000  # the load stops by itself here...
+    duration_s: PositiveSeconds = 3600.0  # ...or here, whichever comes first
+
+
+class UpConfig(_Strict):
+    fleet: FleetConfig = FleetConfig()
+    # the `seawall serve` config (opaque here); null = no gateway, traffic goes direct
+    gateway: dict[str, Any] | None = Field(default_factory=dict)
+    traffic: TrafficConfig | None = None  # null = no traffic of our own
+
+
+def demo_config() -> UpConfig:
+    """`--demo`: three sim replicas (faults enabled, so the demo can crash one) behind
+    the gateway, with a little steady traffic."""
+    return UpConfig(
+        fleet=FleetConfig(
+            replicas=3, model="sim-model", command=[*DEFAULT_COMMAND, "--enable-faults"]
+        ),
+        gateway={},
+        traffic=TrafficConfig(concurrency=3, prompt_tokens=32, max_tokens=24),
+    )
+
+
+def _allowed(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _model_at(loc: Sequence[int | str]) -> type[BaseModel]:
+    """The schema model that holds the field at `loc` (for listing allowed fields)."""
+    model: type[BaseModel] = UpConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        candidates = getattr(annotation, "__args__", (annotation,))
+        nested = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if nested is None:
+            break
+        model = nested
+    return model
+
+
+def format_errors(e: ValidationError, source: str) -> str:
+    """One line per error: the field's dotted path, what was wrong, what is allowed."""
+    lines = [f"{source}: invalid configuration"]
+    for err in e.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            holder = _model_at(loc)
+            lines.append(f"  {where}: unknown field; allowed: {_allowed(holder)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+        lines.append(f"  {where}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_up_config(data: object, source: str = "config") -> UpConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UpConfigError(
+            f"{source}: the top level must be a mapping with fleet, gateway, traffic"
+        )
+    try:
+        return UpConfig.model_validate(data)
+    except ValidationError as e:
+        raise UpConfigError(format_errors(e, source)) from None
+
+
+def load_up_config(path: str | Path) -> UpConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UpConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UpConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_up_config(data, str(path))
+
+
+def gateway_config(
+    base: dict[str, Any], replicas: Sequence[dict[str, str]], host: str, port: int
+) -> dict[str, Any]:
+    """The gateway's config: the user's `gateway:` with the started replicas and the
+    listen address `up` chose. Replicas the user listed by hand are kept, after ours."""
+    merged = dict(base)
+    merged["replicas"] = [*replicas, *(base.get("replicas") or [])]
+    merged["listen"] = {**(base.get("listen") or {}), "host": host, "port": port}
+    return merged
+
+
+def python_argv(*args: str) -> list[str]:
+    """`seawall <args>` run by this Python (works without the console script on PATH)."""
+    return [sys.executable, "-m", "seawall", *args]
+
+
+def check_gateway_config(config: UpConfig, source: str) -> None:
+    """Validate `gateway:` with the gateway's own schema before anything starts, so a typo
+    is one clear error instead of a gateway process crash-looping in the view."""
+    if config.gateway is None:
+        return
+    try:
+        from seawall.config import ConfigError, parse_config
+    except ImportError:  # a build without the gateway: `up` runs without one
+        return
+    probe = [{"url": "http://127.0.0.1:1", "model": "m", "node": "local", "id": "seawall-up-probe"}]
+    try:
+        parse_config(gateway_config(config.gateway, probe, "127.0.0.1", 0), f"{source}: gateway")
+    except ConfigError as e:
+        raise UpConfigError(str(e)) from None

@@ -1,0 +1,105 @@
+"""`seawall up` as a user runs it: a real process tree (sims, gateway, traffic) on loopback."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import Proc, seawall_argv, spawn
+
+pytestmark = pytest.mark.integration
+
+
+def pids_mentioned(output: str) -> set[int]:
+    pids = {int(p) for p in re.findall(r"pid=(\d+)", output)}
+    summary = re.search(r"^  pids: ([\d ]+)$", output, re.M)
+    assert summary, output[-3000:]
+    return pids | {int(p) for p in summary.group(1).split()}
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes containing `text` (e.g. the run's log dir)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in argv and "pytest" not in argv:
+            found.append(argv)
+    return found
+
+
+def assert_nothing_left(proc: Proc, log_dir: Path) -> str:
+    output = proc.log()
+    pids = pids_mentioned(output)
+    assert proc.pid not in pids and len(pids) >= 4  # 3 replicas + gateway at least
+    assert [p for p in pids if running(p)] == []
+    ports = re.findall(r"url=http://127\.0\.0\.1:(\d+)", output)
+    for port in ports:
+        assert processes_mentioning(f"--port {port}") == []
+    assert processes_mentioning(str(log_dir)) == []
+    return output
+
+
+def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts: Path) -> None:
+    log_dir = artifacts / "fleet"
+    proc = spawn(
+        seawall_argv(
+            "up", "--demo", "--demo-seconds", "10", "--demo-crash-at", "1",
+            "--log-dir", str(log_dir),
+        ),
+        artifacts / "up.log",
+    )  # fmt: skip
+    try:
+        assert proc.wait(timeout=90) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    output = assert_nothing_left(proc, log_dir)
+    assert re.search(r"replicas 3/3 running: r0 running pid=\d+ port=\d+", output)
+    assert "gateway running http://127.0.0.1:" in output
+    traffic = re.search(r"^  traffic: requests (\d+): ok (\d+), failed (\d+)", output, re.M)
+    assert traffic, output[-3000:]
+    assert int(traffic.group(2)) > 0 and "tokens/s" in output
+    assert "demo: crashed r1 on purpose" in output
+    assert "event: r1 exited" in output and "r1 (restarts 1)" in output
+    assert "all processes stopped" in output
+
+
+def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
+    log_dir = artifacts / "fleet"
+    config = artifacts / "fleet.yaml"
+    config.write_text(
+        "fleet: {replicas: 3, model: tiny}\n"
+        "gateway: {drain: {timeout_s: 5}}\n"
+        "traffic: {concurrency: 2, max_tokens: 64}\n"
+    )
+    proc = spawn(
+        seawall_argv("up", "--config", str(config), "--seconds", "120", "--log-dir", str(log_dir)),
+        artifacts / "up.log",
+    )
+    try:
+        for _ in range(600):  # up to 60 s for the fleet to come up under a loaded CI
+            if "traffic requests" in proc.log() or not proc.alive():
+                break
+            time.sleep(0.1)
+        assert "traffic requests" in proc.log(), proc.log()[-4000:]
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    output = assert_nothing_left(proc, log_dir)
+    assert "seawall up: stopping (signal)" in output
+    assert "all processes stopped" in output

@@ -1,0 +1,64 @@
+"""The figures `seawall up` shows: gateway counters from a real metrics registry, and
+traffic from load results, with time passed in."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from seawall.gateway.metrics import Metrics
+from seawall.loadgen import RequestResult
+from seawall.up.figures import TrafficTally, histogram_quantile, parse_gateway_metrics
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    buckets = [(0.1, 10.0), (0.2, 30.0), (float("inf"), 40.0)]
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(
+        0.15
+    )  # rank 20: halfway through (0.1, 0.2]
+    assert histogram_quantile(buckets, 0.25) == 0.1  # rank 10: the top of the first bucket
+    assert histogram_quantile(buckets, 0.1) == pytest.approx(0.04)  # from 0, linearly
+    assert histogram_quantile(buckets, 0.99) == 0.2  # in +Inf: the highest finite bound
+    assert histogram_quantile([(float("inf"), 0.0)], 0.5) is None
+
+
+def test_gateway_figures_come_from_the_gateways_own_metric_families() -> None:
+    m = Metrics(process=False)
+    m.requests.labels("m", "completions", "200").inc(7)
+    m.requests.labels("m", "chat", "200").inc(3)
+    m.requests.labels("m", "chat", "503").inc(2)
+    m.retries.labels("connect_error").inc(4)
+    for _ in range(10):
+        m.ttft.labels("m").observe(0.02)
+    figures = parse_gateway_metrics(generate_latest(m.registry).decode())
+    assert (figures.requests_ok, figures.requests_failed, figures.retries) == (10, 2, 4)
+    assert figures.ttft_p50_s is not None and 0.01 < figures.ttft_p50_s <= 0.025
+
+
+def test_a_gateway_with_no_traffic_yet_has_no_ttft() -> None:
+    figures = parse_gateway_metrics(generate_latest(Metrics(process=False).registry).decode())
+    assert figures.requests_ok == 0 and figures.ttft_p50_s is None
+
+
+def done(tokens: int, outcome: str = "ok", ttft_s: float | None = 0.05) -> RequestResult:
+    return RequestResult(outcome, 200, ttft_s, 1.0, tokens, outcome == "ok")  # type: ignore[arg-type]
+
+
+def test_tokens_per_second_follow_the_last_window_not_the_whole_run() -> None:
+    tally = TrafficTally(window_s=10.0)
+    for t in range(20):  # 100 tokens/s for 20 s ...
+        tally.add(done(100), now=1000.0 + t)
+    assert tally.figures(now=1019.0).tokens_per_s == 100.0
+    tally.add(done(0, "dropped"), now=1030.0)  # ... then nothing for 11 s
+    figures = tally.figures(now=1030.0)
+    assert figures.tokens_per_s == 0.0
+    assert (figures.requests, figures.ok, figures.dropped, figures.tokens) == (21, 20, 1, 2000)
+
+
+def test_the_first_seconds_are_not_diluted_by_an_empty_window() -> None:
+    tally = TrafficTally(window_s=10.0)
+    tally.add(
+        RequestResult("ok", 200, 0.05, 1.0, 50, True, started_at=100.0), now=101.0
+    )  # one request, started 2 s ago
+    assert tally.figures(now=102.0).tokens_per_s == 25.0
+    assert TrafficTally().figures(now=5.0).tokens_per_s == 0.0

@@ -1,0 +1,90 @@
+"""What a person sees from `seawall up`: the live table, the plain line, the summary."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from seawall.actuate.local import ReplicaStatus
+from seawall.up.figures import GatewayFigures, TrafficFigures
+from seawall.up.view import UpSnapshot, plain_line, render, summary
+
+
+def status(rid: str, state: str, pid: int | None, restarts: int = 0) -> ReplicaStatus:
+    return ReplicaStatus(
+        replica_id=rid,
+        url=f"http://127.0.0.1:{9000 + int(rid[1:])}",
+        port=9000 + int(rid[1:]),
+        model="sim-model",
+        node="local",
+        pid=pid,
+        state=state,  # type: ignore[arg-type]
+        restarts=restarts,
+        uptime_s=75.0 if pid else 0.0,
+        reason="exited with code 1; crash 1, next start in 1s" if state == "backoff" else "",
+    )
+
+
+SNAP = UpSnapshot(
+    elapsed_s=42.0,
+    replicas=(status("r0", "running", 101), status("r1", "backoff", None, restarts=2)),
+    gateway=status("r9", "running", 109),
+    gateway_url="http://127.0.0.1:8080",
+    gateway_figures=GatewayFigures(requests_ok=90, requests_failed=1, ttft_p50_s=0.018, retries=3),
+    traffic=TrafficFigures(
+        requests=95,
+        ok=93,
+        failed=1,
+        dropped=1,
+        cut=0,
+        ttft_p50_s=0.019,
+        ttft_p99_s=0.04,
+        tokens=2000,
+        tokens_per_s=251.4,
+    ),
+    traffic_target="http://127.0.0.1:8080",
+    events=("5s r1 exited (exited with code 1)",),
+)
+
+
+def rendered(snap: UpSnapshot) -> str:
+    console = Console(record=True, width=160, color_system=None)
+    console.print(render(snap))
+    return console.export_text()
+
+
+def test_the_live_table_shows_each_replica_and_the_traffic() -> None:
+    text = rendered(SNAP)
+    assert "1/2 replicas running" in text and "42s" in text
+    r0 = next(line for line in text.splitlines() if "r0" in line)
+    assert all(cell in r0 for cell in ("9000", "running", "101", "1m15s"))
+    r1 = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("r1"))
+    assert "backoff" in r1 and " 2 " in r1 and "exited with code 1" in r1
+    assert "answered ok 90, failed 1" in text and "retries 3" in text
+    assert "ok 93, failed 1, dropped 1" in text and "251 tokens/s" in text
+    assert "r1 exited" in text
+
+
+def test_without_a_gateway_the_view_says_why() -> None:
+    snap = UpSnapshot(
+        elapsed_s=1.0,
+        replicas=(status("r0", "starting", 5),),
+        gateway_note="(gateway not yet available)",
+    )
+    assert "(gateway not yet available)" in rendered(snap)
+    assert "gateway (gateway not yet available)" in plain_line(snap)
+
+
+def test_the_plain_line_has_every_replica_and_the_figures() -> None:
+    line = plain_line(SNAP)
+    assert "\n" not in line
+    assert "r0 running pid=101 port=9000 restarts=0" in line
+    assert "r1 backoff pid=- port=9001 restarts=2" in line
+    assert "TTFT p50 19ms p99 40ms" in line
+
+
+def test_the_summary_lists_pids_and_any_process_left_behind() -> None:
+    clean = summary(SNAP, pids=[101, 102], left_behind=[])
+    assert "  pids: 101 102" in clean and clean[-1] == "  all processes stopped"
+    assert "r1 (restarts 2)" in clean[1]
+    dirty = summary(SNAP, pids=[101, 102], left_behind=[102])
+    assert dirty[-1] == "  STILL RUNNING (not stopped): 102"
