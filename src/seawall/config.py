@@ -140,7 +140,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(root)"
         got = e.get("input")
-        shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+        secret = any("key" in str(part) or "token" in str(part) for part in e["loc"])
+        shown = "" if secret or isinstance(got, dict | list) else f" (got {got!r})"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see seawall/config.py for every field)"

@@ -39,6 +39,8 @@ class Guard(Protocol):
 
     async def release(self, ctx: RequestCtx) -> None: ...
 
+    async def close(self) -> None: ...
+
 
 def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(
@@ -60,6 +62,7 @@ class Gateway:
         metrics: Metrics | None = None,
         rng: random.Random | None = None,
         access_log: bool = True,
+        install: bool = True,
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
@@ -87,6 +90,10 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
+        if install:
+            from seawall.gateway.stack import install_layers
+
+            install_layers(self)
 
     # -- shared state -------------------------------------------------------------------
 
@@ -253,5 +260,7 @@ class Gateway:
                 await task
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.guard is not None:
+            await self.guard.close()
         if self._session is not None:
             await self._session.close()

@@ -65,6 +65,10 @@ class ReplicaSet:
         self._replicas: dict[str, Replica] = {}
         self._rng = rng or random.Random()
         self.snapshot: Callable[[], FleetSnapshot] = lambda: FleetSnapshot()
+        # Admission's verdict per replica (None = may take work); default: the snapshot's.
+        self.saturation: Callable[[Replica, ReplicaView, float], str | None] = lambda r, v, now: (
+            v.saturation_reason or ("saturated" if v.saturated else None)
+        )
 
     def add(self, replica: Replica) -> None:
         self._replicas[replica.id] = replica
@@ -104,7 +108,7 @@ class ReplicaSet:
         for r in self._replicas.values():
             if r.model != model or r.id in skip or not self.usable(r, now, snap):
                 continue
-            (saturated if self.view(r, snap).saturated else free).append(r)
+            (saturated if self.saturation(r, self.view(r, snap), now) else free).append(r)
         return free, saturated
 
     def choose(self, candidates: list[Replica]) -> Replica | None:

@@ -60,6 +60,9 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             timeouts[key] = value
     data["timeouts"] = timeouts
     config = parse_config(data, args.config or "command line")
+    from seawall.gateway.tenancy import load_tenancy
+
+    load_tenancy(config)  # tenants, tiers, rate limits, admission: fail here, not at start
     if not config.replicas:
         raise ConfigError(
             "no replicas: pass --replica URL or list them under `replicas:` in --config"
@@ -69,10 +72,8 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
 
 async def serve(config: GatewayConfig, access_log: bool = True) -> int:
     from seawall.gateway.app import Gateway
-    from seawall.gateway.stack import install_layers
 
     gw = Gateway(config, access_log=access_log)
-    await install_layers(gw)
     port = await gw.start()
     log.info("seawall gateway listening on http://%s:%d", config.listen.host, port)
     stop = asyncio.Event()

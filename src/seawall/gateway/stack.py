@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from seawall.gateway.app import Gateway
 
 
-async def install_layers(gw: Gateway) -> None:
-    """Attach the admission layers the configuration asks for (none by default)."""
-    return None
+def install_layers(gw: Gateway) -> None:
+    """Attach the admission layers: always on (an open gateway still gets tier defaults
+    and fleet admission); tenants, rates and Redis only when configured."""
+    from seawall.gateway.tenancy import RateLimitConfig, TenancyGuard, load_tenancy, warn_if_open
+    from seawall.state.limits import LimitsBackend, MemoryLimits
+
+    _, _, rate, _ = load_tenancy(gw.config)
+    backend: LimitsBackend
+    if rate.backend == "redis":
+        from seawall.state.limits_redis import RedisLimits
+
+        backend = RedisLimits(rate.redis_url, fail_mode=rate.fail_mode, key_prefix=rate.key_prefix)
+    else:
+        backend = MemoryLimits()
+    assert isinstance(rate, RateLimitConfig)
+    gw.guard = TenancyGuard(gw, backend)
+    warn_if_open(gw.config)

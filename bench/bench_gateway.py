@@ -1,0 +1,483 @@
+"""What a gateway adds to streamed completions: Seawall against direct and against peers.
+
+    python bench/bench_gateway.py [--peers] [--concurrency 100[,10]] [--requests 2000]
+        [--max-tokens 64] [--replicas 2] [--profile]
+
+One run, side by side, in front of the same `seawall sim` replicas (low step costs, so
+the emulator is not the bottleneck; its CPU is printed too):
+
+- direct: the client round-robins over the replicas itself (the reference),
+- seawall: `python -m seawall serve --replica ... --no-access-log`,
+- with `--peers`: vllm-router (Rust, PyPI `vllm-router`) and the LiteLLM proxy (PyPI
+  `litellm[proxy]`), each installed on first use in its own venv under bench/.peers/.
+
+For each system and concurrency: start the proxy, warm it up, then a load driver in a
+separate process (`bench/_common.py drive`: aiohttp, its own GIL and CPU) sends
+`--requests` streamed chat completions, `--concurrency` at a time, and records per
+request the time to the first content token and to `[DONE]`. The proxy's CPU time is
+utime+stime from /proc/<pid>/stat of the proxy and its descendants, read before and after
+the load. Printed: requests ok/failed, TTFT p50/p99, added TTFT p50/p99 over direct,
+streamed tokens/s, proxy CPU-seconds per 1,000 streamed requests, the machine's CPU busy
+share during the load, then the Seawall/peer ratios and the issue's two goals.
+
+The machine may be shared: the header prints cores and load average, and each row the
+whole machine's CPU busy share during that load (near 100% means saturated, and
+latencies then measure the queue for a core, not the proxy).
+
+`--profile` adds one more Seawall load under py-spy (installed in bench/.peers/tools) and
+prints the top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    REPO,
+    Proc,
+    cpu_seconds,
+    free_port,
+    machine_context,
+    percentile,
+    print_table,
+    run_driver,
+    wait_http,
+)
+
+PEERS = REPO / "bench" / ".peers"
+LOGS = REPO / "bench" / "results" / "gateway-logs"
+MODEL = "sim-model"
+SYSTEMS = ("direct", "seawall", "vllm-router", "litellm")
+
+# LiteLLM proxy, made as lean as it goes: no database (no DATABASE_URL), no spend or
+# error logs, no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
+# the default simple-shuffle router over one deployment per replica.
+LITELLM_CONFIG = """\
+model_list:
+{deployments}
+litellm_settings:
+  telemetry: false
+  set_verbose: false
+  drop_params: true
+  callbacks: []
+  success_callback: []
+  failure_callback: []
+  request_timeout: 600
+general_settings:
+  disable_spend_logs: true
+  disable_error_logs: true
+  disable_adding_master_key_hash_to_db: true
+  allow_requests_on_db_unavailable: true
+router_settings:
+  routing_strategy: simple-shuffle
+"""
+LITELLM_ENV = {
+    "LITELLM_TELEMETRY": "False",
+    "LITELLM_LOG": "ERROR",
+    "LITELLM_MODE": "PRODUCTION",
+    "DISABLE_ADMIN_UI": "True",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # do not fetch the cost map from the internet
+    "NO_DOCS": "True",
+    "NO_REDOC": "True",
+}
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def peer_venv(name: str, spec: str, binary: str) -> Path:
+    """bench/.peers/<name>/bin/<binary>, creating the venv and installing `spec` once."""
+    venv = PEERS / name
+    exe = venv / "bin" / binary
+    if exe.exists():
+        return exe
+    print(f"installing {spec} into {venv} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", spec], check=True, timeout=1800)
+    return exe
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass
+class System:
+    name: str
+    url: str | None  # None: direct
+    proc: Proc | None
+    notes: str = ""
+
+
+def start_sims(args: argparse.Namespace) -> list[Proc]:
+    sims = []
+    for i in range(args.replicas):
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", str(port),
+            "--model", MODEL, "--seed", str(i),
+            "--step-base-ms", str(args.step_base_ms),
+            "--step-per-seq-ms", str(args.step_per_seq_ms),
+            "--step-per-prefill-token-ms", str(args.step_per_prefill_token_ms),
+            "--max-num-seqs", str(max(256, max(args.concurrency))),
+            "--kv-blocks", "65536",
+        ]  # fmt: skip
+        p = Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=_env(), cwd=REPO, port=port)
+        sims.append(p)
+    for p in sims:
+        wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
+    return sims
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env.update(extra or {})
+    return env
+
+
+def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> System:
+    if name == "direct":
+        return System(name, None, None, "client round-robins over the replicas")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = LOGS / f"{name}.log"
+    if name == "seawall":
+        argv = [sys.executable, "-m", "seawall", "serve", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--no-access-log", "--log-level", "WARNING"]
+        for u in upstreams:
+            argv += ["--replica", u]
+        proc = Proc(name, argv, log, env=_env(), cwd=REPO)
+        wait_http(url + "/readyz", 60, proc)
+        return System(name, url, proc, "defaults, power of two choices, no access log")
+    if name == "vllm-router":
+        exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
+        argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--worker-urls", *upstreams, "--policy", args.router_policy]
+        argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
+        proc = Proc(name, argv, log, env=_env({"RUST_LOG": "warn"}), cwd=PEERS)
+        wait_http(url + "/health", 120, proc)
+        return System(name, url, proc, f"policy {args.router_policy}, log level warning")
+    if name == "litellm":
+        exe = peer_venv("litellm", "litellm[proxy]", "litellm")
+        deployments = "".join(
+            f"  - model_name: {MODEL}\n"
+            f"    litellm_params:\n"
+            f"      model: hosted_vllm/{MODEL}\n"
+            f"      api_base: {u}/v1\n"
+            f"      api_key: none\n"
+            for u in upstreams
+        )
+        cfg = LOGS / "litellm.yaml"
+        cfg.write_text(LITELLM_CONFIG.format(deployments=deployments))
+        argv = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--num_workers", "1"]
+        env = {k: v for k, v in _env(LITELLM_ENV).items() if k != "DATABASE_URL"}
+        env.pop("PYTHONPATH", None)
+        proc = Proc(name, argv, log, env=env, cwd=PEERS)
+        wait_http(url + "/health/liveliness", 180, proc)
+        return System(name, url, proc, "hosted_vllm, simple-shuffle, no DB/telemetry/logs")
+    raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _cpu_busy() -> tuple[int, int]:
+    """(busy, total) jiffies over all cores, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+@dataclass
+class Row:
+    system: str
+    concurrency: int
+    ok: int = 0
+    failed: int = 0
+    ttft: list[float] = field(default_factory=list)
+    elapsed_s: float = math.nan
+    tokens: int = 0
+    proxy_cpu_s: float = math.nan
+    sim_cpu_s: float = math.nan
+    client_cpu_s: float = math.nan
+    machine_busy: float = math.nan
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def p(self, q: float) -> float:
+        return percentile(self.ttft, q) * 1000.0
+
+    @property
+    def cpu_per_1k(self) -> float:
+        return self.proxy_cpu_s / self.ok * 1000.0 if self.ok else math.nan
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def measure(
+    system: System, sims: list[Proc], urls: list[str], conc: int, args: argparse.Namespace
+) -> Row:
+    target = [system.url] if system.url else urls
+    warm = max(conc, min(args.requests // 5, 2 * conc))
+    run_driver(target, MODEL, args.route, conc, warm, args.max_tokens, 60.0, 30.0)
+    time.sleep(0.5)
+    pid = system.proc.pid if system.proc else None
+    proxy0 = cpu_seconds(pid) if pid else 0.0
+    sims0 = sum(cpu_seconds(s.pid) for s in sims)
+    client0 = _children_cpu()
+    busy0 = _cpu_busy()
+    out = run_driver(
+        target, MODEL, args.route, conc, args.requests, args.max_tokens, args.time_limit
+    )
+    busy1 = _cpu_busy()
+    row = Row(system.name, conc)
+    row.proxy_cpu_s = cpu_seconds(pid) - proxy0 if pid else math.nan
+    row.sim_cpu_s = sum(cpu_seconds(s.pid) for s in sims) - sims0
+    row.client_cpu_s = _children_cpu() - client0
+    row.machine_busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+    row.ok, row.failed, row.errors = out["ok"], out["failed"], out["errors"]
+    row.ttft, row.elapsed_s, row.tokens = out["ttft_s"], out["elapsed_s"], out["chunks"]
+    return row
+
+
+def profile_seawall(
+    upstreams: list[str], urls: list[str], conc: int, args: argparse.Namespace
+) -> None:
+    pyspy = peer_venv("tools", "py-spy", "py-spy")
+    system = start_system("seawall", upstreams, args)
+    assert system.proc is not None and system.url is not None
+    raw = LOGS / "seawall-profile.txt"
+    try:
+        run_driver([system.url], MODEL, args.route, conc, conc, args.max_tokens, 60.0, 30.0)
+        spy = subprocess.Popen(
+            [
+                str(pyspy),
+                "record",
+                "--pid",
+                str(system.proc.pid),
+                "--rate",
+                "250",
+                "--format",
+                "raw",
+                "--nolineno",
+                "--output",
+                str(raw),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        time.sleep(1.0)
+        run_driver(
+            [system.url], MODEL, args.route, conc, args.requests, args.max_tokens, args.time_limit
+        )
+        spy.send_signal(signal.SIGINT)
+        try:
+            _, err = spy.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            _, err = spy.communicate()
+    finally:
+        system.proc.stop()
+    if not raw.exists():
+        print(f"py-spy wrote no profile: {err.decode(errors='replace')[-500:]}")
+        return
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        own[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+        total += n
+    print(f"\nSeawall profile under the same load (py-spy, {total} non-idle samples at 250 Hz;")
+    print(f"raw stacks in {raw.relative_to(REPO)}). Top 15 by own time:")
+    print_table(
+        ["function (file)", "own %", "incl %"],
+        [[f, 100.0 * n / total, 100.0 * inclusive[f] / total] for f, n in own.most_common(15)],
+    )
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(rows: list[Row], args: argparse.Namespace) -> None:
+    direct = {r.concurrency: r for r in rows if r.system == "direct"}
+    table = []
+    for r in rows:
+        d = direct.get(r.concurrency)
+        rate = r.tokens / r.elapsed_s if r.elapsed_s else math.nan
+        table.append(
+            [
+                r.system,
+                r.concurrency,
+                r.ok,
+                r.failed,
+                r.p(50),
+                r.p(99),
+                r.p(50) - d.p(50) if d else math.nan,
+                r.p(99) - d.p(99) if d else math.nan,
+                rate,
+                r.cpu_per_1k,
+                r.proxy_cpu_s,
+                r.sim_cpu_s,
+                r.client_cpu_s,
+                100.0 * r.machine_busy,
+            ]
+        )
+    print()
+    print_table(
+        [
+            "system", "conc", "ok", "failed", "TTFT p50 ms", "TTFT p99 ms", "added p50 ms",
+            "added p99 ms", "tokens/s", "proxy CPU-s/1k req", "proxy CPU-s", "sim CPU-s",
+            "client CPU-s", "machine busy %",
+        ],
+        table,
+    )  # fmt: skip
+    for r in rows:
+        if r.errors:
+            print(f"  {r.system} c={r.concurrency} errors: {r.errors}")
+
+    seawall = {r.concurrency: r for r in rows if r.system == "seawall"}
+    ratios = []
+    for r in rows:
+        s = seawall.get(r.concurrency)
+        d = direct.get(r.concurrency)
+        if r.system in ("direct", "seawall") or s is None or d is None:
+            continue
+        added = (s.p(50) - d.p(50), r.p(50) - d.p(50), s.p(99) - d.p(99), r.p(99) - d.p(99))
+        ratios.append(
+            [
+                f"seawall/{r.system}",
+                r.concurrency,
+                s.cpu_per_1k / r.cpu_per_1k if r.cpu_per_1k else math.nan,
+                added[0] / added[1] if added[1] > 0 else math.nan,
+                added[2] / added[3] if added[3] > 0 else math.nan,
+                (s.tokens / s.elapsed_s) / (r.tokens / r.elapsed_s) if r.tokens else math.nan,
+            ]
+        )
+    if ratios:
+        print()
+        print_table(["ratio", "conc", "CPU/req", "added p50", "added p99", "tokens/s"], ratios)
+
+    print()
+    for c, s in sorted(seawall.items()):
+        d = direct.get(c)
+        if d is not None and c == 100:
+            added = s.p(50) - d.p(50)
+            sat = "saturated" if s.machine_busy > 0.9 else "not saturated"
+            verdict = "met" if added < 1.0 else "NOT met"
+            print(
+                f"goal: Seawall added p50 TTFT < 1 ms at 100 streams: {verdict} "
+                f"({added:.3f} ms; machine {100 * s.machine_busy:.0f}% busy, {sat})"
+            )
+        router = next((r for r in rows if r.system == "vllm-router" and r.concurrency == c), None)
+        if router is not None and router.cpu_per_1k:
+            ratio = s.cpu_per_1k / router.cpu_per_1k
+            verdict = "met" if ratio <= 1.5 else "NOT met"
+            print(
+                f"goal: Seawall CPU per streamed request <= 1.5x vllm-router's (c={c}): "
+                f"{verdict} ({ratio:.2f}x)"
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", action="store_true", help="also vllm-router and LiteLLM")
+    parser.add_argument(
+        "--concurrency",
+        default="100",
+        help="concurrent streams; a comma list runs each (default 100)",
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="streamed requests per load")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--route", choices=("chat", "completions"), default="chat")
+    parser.add_argument("--systems", help="comma list, a subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--router-policy", default="round_robin", help="vllm-router --policy")
+    parser.add_argument("--step-base-ms", type=float, default=5.0)
+    parser.add_argument("--step-per-seq-ms", type=float, default=0.01)
+    parser.add_argument("--step-per-prefill-token-ms", type=float, default=0.001)
+    parser.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds: a load stops opening streams"
+    )
+    parser.add_argument("--profile", action="store_true", help="py-spy the Seawall gateway")
+    parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    names = [s for s in SYSTEMS if s in ("direct", "seawall") or args.peers]
+    if args.systems:
+        wanted = set(args.systems.split(","))
+        names = [s for s in names if s in wanted or s == "direct"]
+    if shutil.which("git"):
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    else:
+        rev = "?"
+
+    print(f"machine: {machine_context()}; python {sys.version.split()[0]}; seawall @ {rev}")
+    print(
+        f"load: {args.requests} streamed {args.route} requests per system and concurrency, "
+        f"max_tokens={args.max_tokens} (ignore_eos), {args.replicas} sim replicas with "
+        f"step {args.step_base_ms} ms + {args.step_per_seq_ms} ms/seq + "
+        f"{args.step_per_prefill_token_ms} ms/prefill token"
+    )
+    LOGS.mkdir(parents=True, exist_ok=True)
+    sims = start_sims(args)
+    urls = [f"http://127.0.0.1:{s.port}" for s in sims]
+    rows: list[Row] = []
+    notes: dict[str, str] = {}
+    try:
+        for name in names:
+            try:
+                system = start_system(name, urls, args)
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                print(f"{name}: could not start: {e}", file=sys.stderr)
+                continue
+            notes[name] = system.notes
+            try:
+                for conc in args.concurrency:
+                    print(f"  {name} at concurrency {conc} ...", flush=True)
+                    rows.append(measure(system, sims, urls, conc, args))
+            finally:
+                if system.proc is not None:
+                    system.proc.stop()
+        print("\nsystems: " + "; ".join(f"{k}: {v}" for k, v in notes.items()))
+        print(f"after the loads: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        report(rows, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.__dict__ for r in rows]))
+        if args.profile:
+            profile_seawall(urls, urls, max(args.concurrency), args)
+    finally:
+        for s in sims:
+            s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
