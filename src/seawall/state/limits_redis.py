@@ -270,7 +270,7 @@ class RedisLimits:
     def _came_back(self) -> None:
         if self.degraded:
             self.degraded = False
-            log.warning("limits backend reachable again; shared limits restored")
+            log.info("limits backend reachable again; shared limits restored")
 
     async def _unavailable(
         self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
