@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sys
 from collections.abc import Callable
 
 from seawall import clock
@@ -50,6 +51,7 @@ class Stream:
         "stop",
         "stop_reason",
         "stop_text_len",
+        "streaming",
         "text",
         "waiter",
     )
@@ -60,8 +62,11 @@ class Stream:
         arrival_s: float,
         stop: tuple[str, ...] = (),
         fail_after_tokens: int | None = None,
+        streaming: bool = True,
     ) -> None:
         self.request = request
+        # a non-streaming handler is woken only at the end, not once per token
+        self.streaming = streaming
         self.arrival_s = arrival_s
         self.max_tokens = request.max_tokens
         self.stop = stop
@@ -130,6 +135,8 @@ class Engine:
         self._work = asyncio.Event()
         self._fault_changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._log_task: asyncio.Task[None] | None = None
+        self.prompt_tokens_total = 0
         self._error_ordinal = 0
         self._tokens_since_crash_armed = 0
         self._crash_timer: asyncio.TimerHandle | None = None
@@ -139,9 +146,49 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="sim-engine")
+        self._task.add_done_callback(self._engine_task_done)
+        self._log_task = loop.create_task(self._log_stats(), name="sim-stat-logger")
+
+    def _engine_task_done(self, task: asyncio.Task[None]) -> None:
+        # a bug in the loop must look like what it is to clients: a dead engine
+        if task.cancelled() or task.exception() is None:
+            return
+        print(f"seawall sim: engine loop failed: {task.exception()!r}", file=sys.stderr)
+        self._die()
+        self._on_engine_dead(5.0)
+
+    async def _log_stats(self) -> None:
+        """vLLM's LoggingStatLogger line, every 5 s while there is something to say."""
+        interval_s = 5.0
+        last_prompt = last_gen = 0.0
+        last_preemptions = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            prompt = self.prompt_tokens_total
+            gen = float(self.generated_tokens_total)
+            s = self.scheduler
+            if prompt == last_prompt and gen == last_gen and not s.has_work():
+                continue
+            preempted = s.num_preemptions_total - last_preemptions
+            print(
+                f"Engine 000: Avg prompt throughput: {(prompt - last_prompt) / interval_s:.1f} "
+                f"tokens/s, Avg generation throughput: {(gen - last_gen) / interval_s:.1f} "
+                f"tokens/s, Running: {len(s.running)} reqs, Waiting: {len(s.waiting)} reqs, "
+                + (f"Preemptions: {preempted}, " if preempted else "")
+                + f"GPU KV cache usage: {100 * s.kv_usage():.1f}%, Prefix cache hit rate: 0.0%",
+                flush=True,
+            )
+            last_prompt, last_gen = prompt, gen
+            last_preemptions = s.num_preemptions_total
 
     async def stop(self) -> None:
+        if self._log_task is not None:
+            self._log_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._log_task
+            self._log_task = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -170,6 +217,7 @@ class Engine:
         request: SimRequest,
         arrival_s: float,
         stop: tuple[str, ...] = (),
+        streaming: bool = True,
     ) -> Stream:
         """Queue a request; raises the ApiError a client gets when the engine refuses it."""
         if self.dead:
@@ -183,7 +231,7 @@ class Engine:
                     self.metrics.success["error"].inc()
                     raise ApiError(500, INJECTED_ERROR_MESSAGE, type="InternalServerError")
                 fail_after = errors.after_tokens
-        stream = Stream(request, arrival_s, stop, fail_after)
+        stream = Stream(request, arrival_s, stop, fail_after, streaming)
         if not self.accepting:
             # vLLM's _reject_add_in_shutdown: the request ends at once, as aborted
             stream.finish = FinishReason.ABORT
@@ -261,6 +309,9 @@ class Engine:
                     self.metrics.queue_time.observe(started_s - stream.arrival_s)
             self.last_step_cost_s = result.cost_s * self.faults.slow_factor
             delay_s = started_s + self.last_step_cost_s - clock.monotonic()
+            if result.idle:
+                # work is queued but nothing could run: do not spin the CPU
+                delay_s = max(delay_s, 0.001)
             # always yield, so that handlers run between steps even at zero cost
             await asyncio.sleep(delay_s if delay_s > 0 else 0)
             if self._died_meanwhile():
@@ -312,13 +363,15 @@ class Engine:
                 stream.error = ApiError(500, INJECTED_ERROR_MESSAGE, type="InternalServerError")
                 self.scheduler.finish(request.request_id, FinishReason.ERROR)
                 self._finished(request, FinishReason.ERROR, now)
-            stream.wake()
+            if stream.streaming:
+                stream.wake()
         for request in result.finished:
             self._finished(request, request.finish_reason or FinishReason.STOP, now)
         num_tokens = result.num_prefill_tokens + result.num_decode_tokens
         if result.preempted:
             metrics.preemptions.inc(len(result.preempted))
         if prompt_tokens:
+            self.prompt_tokens_total += prompt_tokens
             metrics.prompt_tokens.inc(prompt_tokens)
             metrics.prompt_tokens_local_compute.inc(prompt_tokens)
         if result.num_decode_tokens:

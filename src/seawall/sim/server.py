@@ -472,7 +472,7 @@ class SimServer:
             key=parsed.key,
             ignore_eos=parsed.ignore_eos,
         )
-        stream = self.engine.submit(sim_request, arrival_s, parsed.stop)
+        stream = self.engine.submit(sim_request, arrival_s, parsed.stop, streaming=parsed.stream)
         self.in_flight += 1
         try:
             if parsed.stream:
@@ -616,22 +616,27 @@ class SimServer:
 
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
-        if chat:
-            await response.write(
-                head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
-                b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
-            )
+        # vLLM sends the role chunk with the first engine output, not before: a client
+        # timing its first chunk measures the real time to first token
+        role_chunk = (
+            head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+            b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+            if chat
+            else b""
+        )
         text_json = self._text_json
         slow_path = bool(parsed.stop)
         sent_chars = 0
         while True:
             tokens = await stream.next_tokens()
             finish = stream.finish
+            out = role_chunk
+            role_chunk = b""
             if stream.error is not None and finish is not None:
                 if tokens and not slow_path:
                     piece = self._join_tokens(tokens, text_json)
-                    await response.write(head + open_text + piece + mid_text + b"null" + tail_open)
-                await response.write(_sse_error(stream.error))
+                    out += head + open_text + piece + mid_text + b"null" + tail_open
+                await response.write(out + _sse_error(stream.error))
                 return response
             if slow_path:
                 text = textgen.detokenize(stream.request.output_ids, skip_special=True)
@@ -645,25 +650,26 @@ class SimServer:
                 piece = b'""'
             if finish is None:
                 if piece != b'""':
-                    await response.write(head + open_text + piece + mid_text + b"null" + tail_open)
+                    out += head + open_text + piece + mid_text + b"null" + tail_open
+                if out:
+                    await response.write(out)
                 continue
             stop_reason = orjson.dumps(stream.stop_reason)
-            await response.write(
+            out += (
                 head + open_text + piece + mid_text + b'"' + finish.value.encode() + b'"'
                 + tail_final % stop_reason
             )  # fmt: skip
-            tail = b""
             if parsed.include_usage:
                 usage = {
                     "prompt_tokens": stream.num_prompt_tokens,
                     "total_tokens": stream.num_prompt_tokens + stream.num_output_tokens,
                     "completion_tokens": stream.num_output_tokens,
                 }
-                tail = (
+                out += (
                     head[: head.index(b'"choices"')] + b'"choices":[],"usage":'
                     + orjson.dumps(usage) + b"}\n\n"
                 )  # fmt: skip
-            await response.write(tail + _DONE)
+            await response.write(out + _DONE)
             await response.write_eof()
             return response
 
