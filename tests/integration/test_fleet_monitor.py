@@ -1,0 +1,304 @@
+"""The fleet monitor against real `seawall sim` processes: what users see when engines fail.
+
+`RespawnActuator` stands in for the local supervisor (`seawall.actuate.local`, built
+separately): it restarts a replica by stopping its sim process and starting a fresh one
+on the same port, which is all the monitor needs from an actuator here. Intervals are
+short through the config; every wait is bounded by a deadline, never asserted on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from seawall.actuate.base import Evidence, ReplicaRef
+from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.monitor import FleetMonitor, Observed, ReplicaSpec
+from seawall.fleet.view import FleetSnapshot
+from seawall.gateway.metrics import Metrics
+from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
+
+pytestmark = pytest.mark.integration
+
+DEADLINE_S = 30.0
+
+
+def fast_config(tmp_path: Path, **overrides: Any) -> FleetMonitorConfig:
+    values: dict[str, Any] = {
+        "liveness_interval_s": 0.2,
+        "liveness_timeout_s": 0.5,
+        "scrape_interval_s": 0.2,
+        "scrape_timeout_s": 0.5,
+        "deep_probe_interval_s": 0.3,
+        "deep_probe_idle_interval_s": 0.3,
+        "deep_probe_timeout_s": 0.5,
+        "watchdog_window_s": 1.0,
+        "startup_allowance_s": 60.0,
+        "ledger_path": str(tmp_path / "ledger.sqlite"),
+    }
+    values.update(overrides)
+    return FleetMonitorConfig.model_validate(values)
+
+
+@dataclass
+class RespawnActuator:
+    """Restarts a replica by respawning its sim on the same port (see module docstring)."""
+
+    artifacts: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    restarts: list[tuple[str, str]] = field(default_factory=list)
+    cordons: list[Evidence] = field(default_factory=list)
+    uncordons: list[str] = field(default_factory=list)
+    name: str = "respawn"
+
+    def start(self, replica_id: str, port: int, *extra: str) -> Proc:
+        n = sum(1 for r, _ in self.restarts if r == replica_id)
+        proc = spawn(
+            seawall_argv("sim", "--port", str(port), "--model", "m", "--enable-faults", *extra),
+            self.artifacts / f"{replica_id}-{n}.log",
+            port,
+        )
+        self.procs[replica_id] = proc
+        return proc
+
+    async def restart(self, replica: ReplicaRef, reason: str) -> None:
+        self.restarts.append((replica.replica_id, reason))
+        old = self.procs[replica.replica_id]
+        await asyncio.to_thread(old.stop, 2.0)
+        assert old.port is not None
+        self.start(replica.replica_id, old.port, *self.extra_args)
+
+    async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
+        await asyncio.to_thread(self.procs[replica.replica_id].stop, grace_s)
+
+    async def cordon(self, node: str, evidence: Evidence) -> None:
+        self.cordons.append(evidence)
+
+    async def uncordon(self, node: str) -> None:
+        self.uncordons.append(node)
+
+    async def close(self) -> None:
+        for proc in self.procs.values():
+            proc.stop(2.0)
+
+
+@pytest.fixture
+def actuator(artifacts: Path) -> Iterator[RespawnActuator]:
+    act = RespawnActuator(artifacts)
+    yield act
+    for proc in act.procs.values():
+        proc.stop(2.0)
+
+
+def start_sim(act: RespawnActuator, replica_id: str = "r0", *extra: str) -> ReplicaSpec:
+    proc = act.start(replica_id, free_port(), *extra)
+    if not extra:
+        wait_http(proc.url + "/health", proc=proc)
+    return ReplicaSpec(replica_id, proc.url, model="m", node="n1", engine="vllm")
+
+
+async def fault(url: str, body: dict[str, Any]) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/sim/fault", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+
+
+async def until(check: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not check():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.05)
+
+
+def view_of(monitor: FleetMonitor, rid: str = "r0") -> Any:
+    return monitor.snapshot().replicas.get(rid)
+
+
+def routable(monitor: FleetMonitor, rid: str = "r0") -> bool:
+    v = view_of(monitor, rid)
+    return v is not None and v.routable
+
+
+def described(monitor: FleetMonitor, rid: str = "r0") -> dict[str, Any]:
+    return next(r for r in monitor.describe()["replicas"] if r["id"] == rid)
+
+
+async def test_a_dead_engine_leaves_routing_at_the_first_failed_liveness_probe(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator)
+    snapshots: list[FleetSnapshot] = []
+    async with FleetMonitor(fast_config(tmp_path), [spec]) as monitor:
+        monitor.subscribe(snapshots.append)
+        await until(lambda: routable(monitor), "replica ready")
+        await fault(spec.url, {"kind": "engine_dead", "grace_s": 30})
+        await until(lambda: not routable(monitor), "replica unroutable")
+        first_out = next(s.replicas["r0"] for s in snapshots if not s.replicas["r0"].routable)
+        # The very first failed probe took it out: within one liveness interval.
+        assert first_out.reason == "liveness failed (http_503), 1 in a row"
+        await until(lambda: view_of(monitor).state == "starting", "restart ordered")
+
+
+async def test_hang_with_the_running_gauge_kept_is_caught_by_the_engine_view(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, deep_probe_failures_threshold=10)
+    async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        await until(lambda: routable(monitor), "replica ready")
+        stream = asyncio.create_task(long_stream(spec.url))
+        try:
+            await until(
+                lambda: (
+                    (view_of(monitor).load or None) is not None
+                    and (view_of(monitor).load.running or 0) >= 1
+                ),
+                "a request running",
+            )
+            await fault(spec.url, {"kind": "hang", "running": "keep"})
+            await until(lambda: bool(actuator.restarts), "restart requested")
+        finally:
+            stream.cancel()
+        [(rid, reason)] = actuator.restarts
+        assert rid == "r0"
+        assert reason.startswith("no progress with work in flight: engine reports 1 running")
+        await until(lambda: routable(monitor), "back after the restart")
+
+
+async def test_hang_with_running_zero_is_caught_through_the_gateway_view(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    class OpenStreamNoChunks:
+        """The gateway holds one stream open to r0 and relays nothing."""
+
+        hung = False
+
+        def streams_in_flight(self, replica_id: str) -> int:
+            return 1 if self.hung else 0
+
+        def chunks_relayed_total(self, replica_id: str) -> int:
+            return 7
+
+        def observed(self, replica_id: str) -> Observed:
+            return Observed()
+
+    signals = OpenStreamNoChunks()
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, deep_probe_failures_threshold=10)
+    async with FleetMonitor(config, [spec], actuator=actuator, signals=signals) as monitor:
+        await until(lambda: routable(monitor), "replica ready")
+        await fault(spec.url, {"kind": "hang", "running": "zero"})
+        signals.hung = True
+        await until(lambda: bool(actuator.restarts), "restart requested")
+        signals.hung = False
+        [(_, reason)] = actuator.restarts
+        assert "gateway has 1 streams in flight with no chunk relayed" in reason
+        assert "engine reports 0 running" in reason
+
+
+async def test_an_idle_hang_is_taken_out_by_deep_probes_and_restarted(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, deep_probe_failures_threshold=2)
+    async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        await until(lambda: routable(monitor), "replica ready")
+        await fault(spec.url, {"kind": "hang", "running": "keep"})
+        await until(lambda: view_of(monitor).state == "degraded", "degraded")
+        assert view_of(monitor).score < 0.25  # routed at a quarter weight at most
+        await until(lambda: bool(actuator.restarts), "restart requested")
+        [(_, reason)] = actuator.restarts
+        assert reason.startswith("deep probes still failing while degraded")
+
+
+async def test_a_loading_replica_is_not_restarted(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator, "r0", "--load-time", "60")
+    config = fast_config(tmp_path, startup_allowance_s=120)
+    async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        await until(lambda: described(monitor)["liveness"]["probes"] >= 10, "10 liveness probes")
+        assert described(monitor)["state"] == "starting"
+        assert described(monitor)["liveness"]["last_error"] == "connect"  # still loading
+        assert not routable(monitor)
+        assert actuator.restarts == []
+
+
+@pytest.fixture
+async def webhook() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    received: list[dict[str, Any]] = []
+
+    async def ticket(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/tickets", ticket)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}/tickets", received
+    await runner.cleanup()
+
+
+async def test_a_node_that_keeps_failing_is_cordoned_and_stays_cordoned_across_restarts(
+    tmp_path: Path,
+    actuator: RespawnActuator,
+    webhook: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, tickets = webhook
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, restart_limit=2, hardware_ticket_webhook_url=url)
+    metrics = Metrics(process=False)
+    async with FleetMonitor(config, [spec], actuator=actuator, metrics=metrics) as monitor:
+        for n in range(2):
+            await until(lambda: routable(monitor), f"ready before failure {n + 1}")
+            await fault(spec.url, {"kind": "engine_dead", "grace_s": 30})
+            await until(lambda n=n: len(actuator.restarts) == n + 1, f"restart {n + 1}")
+        await until(lambda: bool(actuator.cordons), "node cordoned")
+        await until(lambda: bool(tickets), "hardware ticket posted")
+        assert view_of(monitor).state == "cordoned" and not routable(monitor)
+        [evidence] = actuator.cordons
+        assert evidence.node == "n1"
+        assert [r[1] for r in evidence.restarts] == ["r0", "r0"]
+        assert tickets[0]["node"] == "n1" and len(tickets[0]["restarts"]) == 2
+        assert (
+            metrics.registry.get_sample_value("seawall_hardware_tickets_total", {"node": "n1"})
+            == 1.0
+        )
+        assert metrics.registry.get_sample_value("seawall_node_cordoned", {"node": "n1"}) == 1.0
+
+    # A new monitor (a gateway redeploy) reads the cordon back and never routes to r0.
+    snapshots: list[FleetSnapshot] = []
+    second = FleetMonitor(config, [spec], actuator=actuator)
+    second.subscribe(snapshots.append)
+    async with second:
+        assert all(not s.replicas["r0"].routable for s in snapshots)
+        [node] = second.describe()["nodes"]
+        assert node["cordoned"] and node["evidence"] == ["2 restarts within 3600 s"]
+        assert view_of(second).state == "cordoned"
+        restarts_before = len(actuator.restarts)
+        await second.uncordon("n1")
+        assert actuator.uncordons == ["n1"]
+        await until(lambda: routable(second), "ready after uncordon")
+        assert len(actuator.restarts) == restarts_before + 1  # uncordon gives a fresh process
+
+
+async def long_stream(url: str) -> None:
+    body = {"model": "m", "prompt": "Tell me a story", "max_tokens": 4000, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as resp:
+        async for _ in resp.content:
+            pass
