@@ -102,3 +102,45 @@ def test_openai_sdk_streams_and_non_streams_with_consistent_usage_and_metrics(si
     assert samples["vllm:num_requests_running" + labels] == 0
     assert samples["vllm:kv_cache_usage_perc" + labels] == 0
     assert samples["vllm:time_to_first_token_seconds_count" + labels] == 4
+
+
+def test_metric_counts_follow_vllms_invariants_for_sequential_requests(artifacts: Path) -> None:
+    """vLLM's own test_metrics invariants: for N requests of T tokens, TTFT count N, ITL
+    count N*(T-1), iteration count N*T, N successes; idle afterwards."""
+    port = free_port()
+    proc = spawn(
+        seawall_argv("sim", "--port", str(port), "--step-base-ms", "1"),
+        artifacts / "sim.log",
+        port=port,
+    )
+    try:
+        wait_http(proc.url + "/health", proc=proc)
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+        n, t = 3, 7
+        for _ in range(n):
+            client.completions.create(
+                model="sim-model", prompt="abc", max_tokens=t, extra_body={"ignore_eos": True}
+            )
+        import urllib.request
+
+        with urllib.request.urlopen(proc.url + "/metrics") as r:
+            samples = _samples(r.read().decode())
+        labels = "{engine=0,model_name=sim-model}"
+        assert samples["vllm:time_to_first_token_seconds_count" + labels] == n
+        assert samples["vllm:inter_token_latency_seconds_count" + labels] == n * (t - 1)
+        assert samples["vllm:iteration_tokens_total_count" + labels] == n * t
+        assert samples["vllm:request_time_per_output_token_seconds_count" + labels] == n
+        assert samples["vllm:e2e_request_latency_seconds_count" + labels] == n
+        assert samples["vllm:request_queue_time_seconds_count" + labels] == n
+        assert samples["vllm:request_generation_tokens_sum" + labels] == n * t
+        assert (
+            samples[
+                "vllm:request_success_total{engine=0,finished_reason=length,model_name=sim-model}"
+            ]
+            == n
+        )
+        assert samples["vllm:num_requests_running" + labels] == 0
+        assert samples["vllm:num_requests_waiting" + labels] == 0
+        assert samples["vllm:kv_cache_usage_perc" + labels] == 0
+    finally:
+        proc.stop()
