@@ -64,7 +64,7 @@ MODEL = "sim-model"
 SYSTEMS = ("direct", "seawall", "vllm-router", "litellm")
 
 # LiteLLM proxy, made as lean as it goes: no database (no DATABASE_URL), no spend or
-# error logs, no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
+# error logs, a master key (it refuses to start without one; the client sends it), no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
 # the default simple-shuffle router over one deployment per replica.
 LITELLM_CONFIG = """\
 model_list:
@@ -78,6 +78,7 @@ litellm_settings:
   failure_callback: []
   request_timeout: 600
 general_settings:
+  master_key: sk-bench
   disable_spend_logs: true
   disable_error_logs: true
   disable_adding_master_key_hash_to_db: true
@@ -415,7 +416,7 @@ def main() -> int:
     parser.add_argument("--route", choices=("chat", "completions"), default="chat")
     parser.add_argument("--systems", help="comma list, a subset of " + ",".join(SYSTEMS))
     parser.add_argument("--router-policy", default="round_robin", help="vllm-router --policy")
-    parser.add_argument("--step-base-ms", type=float, default=5.0)
+    parser.add_argument("--step-base-ms", type=float, default=10.0)
     parser.add_argument("--step-per-seq-ms", type=float, default=0.01)
     parser.add_argument("--step-per-prefill-token-ms", type=float, default=0.001)
     parser.add_argument(

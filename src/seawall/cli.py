@@ -16,6 +16,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("seawall.up.cli", "start a local fleet (replicas + gateway) with a live view"),
     "serve": ("seawall.gateway.serve_cli", "run the gateway in front of engine replicas"),
+    "engine-args": (
+        "seawall.gateway.engine_args",
+        "print the vLLM flags that back the gateway's limits up inside the engine",
+    ),
     "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
     "keys": ("seawall.keys_cli", "mint a tenant's API key (printed once; only its hash is kept)"),
     "alerts": (

@@ -22,6 +22,7 @@ from seawall import clock
 from seawall.config import GatewayConfig
 from seawall.errors import ApiError
 from seawall.fleet.view import FleetSnapshot
+from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.metrics import Metrics
 from seawall.gateway.proxy import Proxy, RequestCtx
 from seawall.gateway.replicas import Replica, ReplicaSet
@@ -238,7 +239,12 @@ class Gateway:
                         if r.model is None:
                             r.model = str(cards[0]["id"])
                         for card in cards:
-                            self.model_cards.setdefault(str(card["id"]), card)
+                            if str(card["id"]) not in self.model_cards:
+                                self.model_cards[str(card["id"])] = card
+                                if isinstance(card.get("max_model_len"), int):
+                                    warn_if_context_too_small(
+                                        self.config, str(card["id"]), card["max_model_len"]
+                                    )
             await asyncio.sleep(1.0 if pending else 5.0)
 
     async def drain(self, timeout_s: float | None = None) -> int:

@@ -22,17 +22,16 @@ if TYPE_CHECKING:
 def install_layers(gw: Gateway) -> None:
     """Attach the admission layers: always on (an open gateway still gets tier defaults
     and fleet admission); tenants, rates and Redis only when configured."""
-    from seawall.gateway.tenancy import RateLimitConfig, TenancyGuard, load_tenancy, warn_if_open
-    from seawall.state.limits import LimitsBackend, MemoryLimits
+    from seawall.gateway.tenancy import TenancyGuard, load_tenancy, warn_if_open
+    from seawall.state.limits import open_limits_backend
 
     _, _, rate, _ = load_tenancy(gw.config)
-    backend: LimitsBackend
-    if rate.backend == "redis":
-        from seawall.state.limits_redis import RedisLimits
-
-        backend = RedisLimits(rate.redis_url, fail_mode=rate.fail_mode, key_prefix=rate.key_prefix)
-    else:
-        backend = MemoryLimits()
-    assert isinstance(rate, RateLimitConfig)
+    backend = open_limits_backend(
+        rate.redis_url if rate.backend == "redis" else None,
+        fail_mode=rate.fail_mode,
+        key_prefix=rate.key_prefix,
+        # A lease outlives the longest request, so only a crashed gateway's leases expire.
+        lease_ttl_s=gw.config.timeouts.total_s + 60.0,
+    )
     gw.guard = TenancyGuard(gw, backend)
     warn_if_open(gw.config)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from seawall import clock
 from seawall.auth import KeyStore, is_key_hash
 from seawall.config import ConfigError, GatewayConfig, TimeoutOverrides, format_validation_error
-from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.errors import ApiError, rate_limited
 from seawall.fleet.view import EngineLoad, ReplicaView
 from seawall.gateway.proxy import RequestCtx
 from seawall.gateway.replicas import Replica
@@ -42,7 +42,14 @@ from seawall.protocol.tokens import (
     count_chat_prompt,
     count_completion_prompt,
 )
-from seawall.state.limits import Denied, Lease, LimitsBackend, MemoryLimits, TenantLimits
+from seawall.state.limits import (
+    Denied,
+    Lease,
+    LimitsBackend,
+    MemoryLimits,
+    TenantLimits,
+    denied_error,
+)
 
 if TYPE_CHECKING:
     from seawall.gateway.app import Gateway
@@ -174,6 +181,7 @@ class TenancyGuard:
         self.estimate = EstimateCounter()
         self.queued: dict[str, int] = {}
         self._completions: deque[float] = deque(maxlen=512)
+        self._orphans: set[asyncio.Future[None]] = set()
         self._preemptions: dict[str, tuple[float, float, float]] = {}  # id -> (total, at, rate)
         if self.admission.enabled:
             gw.replicas.saturation = self.saturation
@@ -210,18 +218,29 @@ class TenancyGuard:
             req.set(req.max_tokens_field(), decision.max_tokens)
         # 3. tenant rates and concurrency
         if limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent:
-            got = await self.backend.acquire(
-                ctx.tenant,
-                TenantLimits(
-                    limits.requests_per_min, limits.prompt_tokens_per_min, limits.max_concurrent
-                ),
-                prompt_tokens,
-                clock.monotonic(),
+            # Shielded: if the client leaves while a shared backend runs the acquire, the
+            # acquire still completes and its lease is released, instead of leaking a slot.
+            acquiring = asyncio.ensure_future(
+                self.backend.acquire(
+                    ctx.tenant,
+                    TenantLimits(
+                        limits.requests_per_min,
+                        limits.prompt_tokens_per_min,
+                        limits.max_concurrent,
+                    ),
+                    prompt_tokens,
+                    clock.monotonic(),
+                )
             )
+            try:
+                got = await asyncio.shield(acquiring)
+            except asyncio.CancelledError:
+                acquiring.add_done_callback(self._release_orphan)
+                raise
             gw.metrics.ratelimit_backend_degraded.set(1 if self.backend.degraded else 0)
             if isinstance(got, Denied):
                 self._shed(ctx, got.reason)
-                raise self._denied(got)
+                raise denied_error(got)
             ctx.lease = got
             if req.stream and limits.prompt_tokens_per_min and not req.include_usage:
                 # Reconciliation needs the engine's usage; ask for it and strip it again.
@@ -242,13 +261,6 @@ class TenancyGuard:
         if req.route == "chat":
             return count_chat_prompt(req.obj["messages"], counter)
         return count_completion_prompt(req.obj["prompt"], counter)
-
-    def _denied(self, d: Denied) -> ApiError:
-        if d.never:
-            return ApiError(400, d.message, param="prompt", code=d.reason)
-        if d.reason == "backend_unavailable":
-            return unavailable(d.message, retry_after_s=d.retry_after_s, code=d.reason)
-        return rate_limited(d.message, d.retry_after_s, code=d.reason)
 
     def _shed(self, ctx: RequestCtx, reason: str) -> None:
         m = self.gw.metrics
@@ -316,6 +328,14 @@ class TenancyGuard:
             actual = None
         assert isinstance(lease, Lease)
         await self.backend.release(lease, actual, now)
+
+    def _release_orphan(self, fut: asyncio.Future[Lease | Denied]) -> None:
+        if not fut.cancelled() and isinstance(fut.result(), Lease):
+            lease = fut.result()
+            assert isinstance(lease, Lease)
+            task = asyncio.ensure_future(self.backend.release(lease, 0, clock.monotonic()))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
 
     async def close(self) -> None:
         await self.backend.close()
