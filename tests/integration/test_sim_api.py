@@ -240,3 +240,27 @@ def test_a_disconnected_stream_frees_its_blocks_within_one_step() -> None:
         assert metric(proc, "vllm:request_success_total", finished_reason="abort") == 0
     finally:
         proc.stop()
+
+
+def test_streamed_text_with_a_stop_string_never_shows_the_stop_text(sim: Proc) -> None:
+    url = sim.url + "/v1/completions"
+    base = {"prompt": "Stream stop", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    text = post(url, base)[1]["choices"][0]["text"]
+    stop = text[20:27]  # may span tokens
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({**base, "stop": stop, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": "my-id-1"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events = [
+            json.loads(line[6:])
+            for line in r.read().decode().split("\n\n")
+            if line.startswith("data: {")
+        ]
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert streamed == text[: text.index(stop)]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"][0]["stop_reason"] == stop
+    # vLLM names the response after the X-Request-Id header
+    assert {e["id"] for e in events} == {"cmpl-my-id-1"}

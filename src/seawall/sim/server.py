@@ -445,7 +445,7 @@ class SimServer:
         body = await self._body(request)
         self._check_model(body)
         parsed = self._parse_common(body, self._completion_prompt(body), "max_tokens", 16)
-        request_id = self.engine.new_request_id("cmpl")
+        request_id = "cmpl-" + self._base_request_id(request, body)
         return await self._generate(request, parsed, request_id, arrival_s, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -454,8 +454,18 @@ class SimServer:
         self._check_model(body)
         prompt_ids = textgen.tokenize(self._render_chat(body))
         parsed = self._parse_common(body, prompt_ids, "max_completion_tokens", None)
-        request_id = self.engine.new_request_id("chatcmpl")
+        request_id = "chatcmpl-" + self._base_request_id(request, body)
         return await self._generate(request, parsed, request_id, arrival_s, chat=True)
+
+    @staticmethod
+    def _base_request_id(request: web.Request, body: dict[str, Any]) -> str:
+        """vLLM's `_base_request_id`: the X-Request-Id header, else the body's
+        `request_id`, else a random one."""
+        header = request.headers.get("X-Request-Id")
+        if header is not None:
+            return header
+        from_body = body.get("request_id")
+        return from_body if isinstance(from_body, str) and from_body else secrets.token_hex(16)
 
     async def _generate(
         self,
@@ -466,7 +476,8 @@ class SimServer:
         chat: bool,
     ) -> web.StreamResponse:
         sim_request = SimRequest(
-            request_id=request_id,
+            # the engine's own id: a client may reuse X-Request-Id, the scheduler may not
+            request_id=self.engine.new_request_id("req"),
             prompt_ids=parsed.prompt_ids,
             max_tokens=parsed.max_tokens,
             key=parsed.key,
@@ -590,7 +601,7 @@ class SimServer:
         model_json = orjson.dumps(self.config.model)
         created = str(int(clock.wall())).encode()
         head = (
-            b'data: {"id":"' + request_id.encode() + b'","object":"'
+            b'data: {"id":' + orjson.dumps(request_id) + b',"object":"'
             + (b"chat.completion.chunk" if chat else b"text_completion")
             + b'","created":' + created + b',"model":' + model_json + b',"choices":[{"index":0,'
         )  # fmt: skip
@@ -626,6 +637,7 @@ class SimServer:
         )
         text_json = self._text_json
         slow_path = bool(parsed.stop)
+        hold_chars = max((len(x) for x in parsed.stop), default=1) - 1
         sent_chars = 0
         while True:
             tokens = await stream.next_tokens()
@@ -639,9 +651,12 @@ class SimServer:
                 await response.write(out + _sse_error(stream.error))
                 return response
             if slow_path:
-                text = textgen.detokenize(stream.request.output_ids, skip_special=True)
+                text = stream.text
                 if stream.stop_text_len is not None:
                     text = text[: stream.stop_text_len]
+                elif finish is None:
+                    # hold back what may be the start of a stop string, as vLLM does
+                    text = text[: max(sent_chars, len(text) - hold_chars)]
                 piece = orjson.dumps(text[sent_chars:])
                 sent_chars = len(text)
             elif tokens:
