@@ -18,6 +18,7 @@ from aiohttp import web
 
 from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.discovery import Endpoint
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.gateway.metrics import Metrics
 
@@ -260,3 +261,23 @@ async def test_a_server_without_metrics_is_judged_by_the_deep_probe(
         await until(probed, "a passed deep probe")
         assert view(monitor).load is None
         assert monitor.describe()["replicas"][0]["scrape"] == "scrape failed: absent"
+
+
+async def test_discovered_replicas_are_added_and_removed(engine: ScriptedEngine) -> None:
+    host, port = engine.url.removeprefix("http://").split(":")
+
+    class Scripted:
+        found: frozenset[Endpoint] = frozenset({Endpoint(host, int(port), "n7", "vllm-0")})
+
+        async def resolve(self) -> frozenset[Endpoint]:
+            return self.found
+
+    discovery = Scripted()
+    async with FleetMonitor(config()) as monitor:
+        monitor.start_discovery(discovery, interval_s=0.05, model="m", engine="vllm")
+        await until(lambda: "vllm-0" in monitor.snapshot().replicas, "discovered")
+        found = monitor.snapshot().replicas["vllm-0"]
+        assert (found.url, found.node, found.model) == (engine.url, "n7", "m")
+        await until(lambda: monitor.snapshot().replicas["vllm-0"].routable, "ready")
+        discovery.found = frozenset()
+        await until(lambda: not monitor.snapshot().replicas, "removed")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from seawall.fleet.discovery import DnsDiscovery, Endpoint, watch
+from seawall.fleet.config import DiscoveryConfig
+from seawall.fleet.discovery import DnsDiscovery, Endpoint, build_discovery, watch
 
 
 async def test_dns_discovery_resolves_localhost_to_loopback_endpoints() -> None:
@@ -36,3 +37,9 @@ def test_endpoint_ids_and_urls() -> None:
     assert Endpoint("10.0.0.1", 8000).replica_id == "10.0.0.1:8000"
     assert Endpoint("10.0.0.1", 8000, "n1", "vllm-0").replica_id == "vllm-0"
     assert Endpoint("fd00::1", 8000).url == "http://[fd00::1]:8000"
+
+
+def test_config_dns_mode_resolves_the_headless_service_name() -> None:
+    found = build_discovery(DiscoveryConfig(service="vllm", namespace="serving", port=8001))
+    assert isinstance(found, DnsDiscovery)
+    assert (found.name, found.port) == ("vllm.serving.svc", 8001)

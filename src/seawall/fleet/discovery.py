@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from seawall.fleet.config import DiscoveryConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -111,3 +113,18 @@ async def watch(
                 on_change(current)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+def build_discovery(config: DiscoveryConfig, api_client: Any | None = None) -> Discovery:
+    """The discovery the config asks for; EndpointSlices need a kubernetes_asyncio
+    `ApiClient` (in-cluster config when None is given)."""
+    if config.mode == "dns":
+        return DnsDiscovery(f"{config.service}.{config.namespace}.svc", config.port)
+    if api_client is None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio import config as kube_config
+
+        loader: Any = kube_config  # the client's loaders are untyped
+        loader.load_incluster_config()
+        api_client = client.ApiClient()
+    return EndpointSliceDiscovery(api_client, config.service, config.namespace, config.port)

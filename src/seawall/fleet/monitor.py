@@ -40,6 +40,7 @@ from seawall.actuate.base import Actuator, Evidence, NoActuator, ReplicaRef
 from seawall.fleet import probes
 from seawall.fleet.adapters import Adapter, EngineKind, adapter_for, detect_engine
 from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.discovery import Discovery, Endpoint, watch
 from seawall.fleet.gpu import HEALTHY, DcgmSample, GpuHealth, assess, parse_dcgm
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.metrics import Metrics
@@ -420,6 +421,17 @@ class FleetMonitor:
                 self.remove_replica(rid)
         for spec in specs:
             self.add_replica(spec)
+
+    def start_discovery(
+        self, discovery: Discovery, interval_s: float, model: str = "", engine: str = "auto"
+    ) -> None:
+        """Keep the replica set equal to what `discovery` finds, every `interval_s`."""
+        stop = asyncio.Event()
+
+        def changed(endpoints: frozenset[Endpoint]) -> None:
+            self.set_replicas([_spec_from(e, model, engine) for e in sorted(endpoints)])
+
+        self._spawn(watch(discovery, interval_s, changed, stop))
 
     # ---------------------------------------------------------------- operator actions
 
@@ -985,6 +997,21 @@ def _load_dict(load: EngineLoad | None) -> dict[str, float | None] | None:
         "generation_tokens_total": load.generation_tokens_total,
         "prompt_tokens_total": load.prompt_tokens_total,
     }
+
+
+def _spec_from(endpoint: Endpoint, model: str, engine: str) -> ReplicaSpec:
+    # Without a node name (DNS discovery) each address is its own failure domain: pod IPs
+    # change on restart, so restarts do not add up to a cordon there.
+    node = endpoint.node or f"unknown:{endpoint.address}"
+    return ReplicaSpec(
+        endpoint.replica_id,
+        endpoint.url,
+        model,
+        node,
+        engine,
+        pod=endpoint.pod,
+        namespace=endpoint.namespace,
+    )
 
 
 def replica_specs(replicas: Sequence[Any]) -> list[ReplicaSpec]:
