@@ -211,7 +211,13 @@ async def test_restart_on_request_replaces_the_process_at_once(artifacts: Path) 
         assert await sup.wait_running(20)
         (status,) = sup.replicas()
         assert status.pid != pid and status.crash_streak == 0
+        # Surge-first: the new replica comes up next to the old one, then the old goes.
         extra = await sup.start_new("m")
         assert extra.url != ref.url
         assert await sup.wait_running(20)
         assert len(sup.replicas()) == 2
+        old_pid = sup.replicas()[0].pid
+        assert old_pid is not None
+        await sup.remove(ref, grace_s=5)
+        assert [s.replica_id for s in sup.replicas()] == [extra.replica_id]
+        assert not alive(old_pid)

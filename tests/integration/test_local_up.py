@@ -103,3 +103,32 @@ def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
     output = assert_nothing_left(proc, log_dir)
     assert "seawall up: stopping (signal)" in output
     assert "all processes stopped" in output
+
+
+def test_replicas_do_not_outlive_a_killed_seawall_up(artifacts: Path) -> None:
+    """Even SIGKILL, which allows no cleanup, must not leave engines behind."""
+    log_dir = artifacts / "fleet"
+    config = artifacts / "fleet.yaml"
+    config.write_text("fleet: {replicas: 2, model: tiny}\n")
+    proc = spawn(
+        seawall_argv("up", "--config", str(config), "--seconds", "120", "--log-dir", str(log_dir)),
+        artifacts / "up.log",
+    )
+    try:
+        for _ in range(600):
+            if "replicas 2/2 running" in proc.log() or not proc.alive():
+                break
+            time.sleep(0.1)
+        output = proc.log()
+        assert "replicas 2/2 running" in output, output[-4000:]
+        children = {int(p) for p in re.findall(r"pid=(\d+)", output)}
+        assert len(children) == 3 and all(running(p) for p in children)
+        proc.signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.stop()
+    for _ in range(100):  # the kernel signals them at once; they need a moment to exit
+        if not any(running(p) for p in children):
+            break
+        time.sleep(0.1)
+    assert [p for p in children if running(p)] == []

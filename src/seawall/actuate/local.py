@@ -373,6 +373,7 @@ class LocalSupervisor:
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         rep.pids.append(rep.proc.pid)
         rep.started_at = clock.monotonic()
@@ -587,6 +588,21 @@ class LocalSupervisor:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM if Seawall itself dies (even by
+    SIGKILL), so a crashed supervisor does not leave engines holding GPUs and ports.
+    Best effort: elsewhere, and for the engine's own workers, `close()` is the guarantee."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stopping(rep: _Replica) -> bool:
