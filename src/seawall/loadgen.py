@@ -19,6 +19,7 @@ Outcomes, as a client sees them:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -238,10 +239,12 @@ async def run_load(
     grace_s: float = 10.0,
     stop: asyncio.Event | None = None,
     connect_timeout_s: float = 5.0,
+    pause_after_error_s: float = 0.1,
 ) -> LoadReport:
     """Send requests from `concurrency` workers until `max_requests` have been started
     or `duration_s` has passed (or `stop` is set); in-flight requests then get `grace_s`.
-    Returns when everything has finished or been cut."""
+    A worker whose request got no answer at all pauses `pause_after_error_s` before its
+    next. Returns when everything has finished or been cut."""
     if concurrency < 1 or max_requests < 0 or duration_s < 0:
         raise ValueError("concurrency must be >= 1; max_requests and duration_s >= 0")
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -285,6 +288,12 @@ async def run_load(
             finally:
                 inflight.pop(task, None)
             record(result)
+            if result.status == 0 and result.outcome == "failed" and pause_after_error_s > 0:
+                # Nothing answered (refused, reset): do not spin on a dead target. Stop
+                # waits here too, so a stop request is not delayed by the pause.
+                stopped = stop.wait() if stop is not None else asyncio.sleep(pause_after_error_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopped, pause_after_error_s)
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)

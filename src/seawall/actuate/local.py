@@ -160,6 +160,10 @@ class ReplicaStatus:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaEvent:
+    """A change in one replica's process. For routing: add the replica on `running`;
+    take it out on `exited`, `backoff` and `stopped` (its URL stays the same across
+    restarts, so a restarted replica comes back with the same id and URL)."""
+
     kind: EventKind
     status: ReplicaStatus
     reason: str = ""

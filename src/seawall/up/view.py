@@ -53,7 +53,8 @@ def running_count(replicas: Sequence[ReplicaStatus]) -> int:
 
 def traffic_text(t: TrafficFigures) -> str:
     return (
-        f"requests {t.requests}: ok {t.ok}, failed {t.failed}, dropped {t.dropped} | "
+        f"requests {t.requests}: ok {t.ok}, failed {t.failed}, dropped {t.dropped}"
+        f"{f', cut {t.cut}' if t.cut else ''} | "
         f"TTFT p50 {ms(t.ttft_p50_s)} p99 {ms(t.ttft_p99_s)} | {t.tokens_per_s:.0f} tokens/s"
     )
 
