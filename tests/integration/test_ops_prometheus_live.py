@@ -166,6 +166,50 @@ def test_live_processes_export_what_the_rules_and_dashboard_use(stack: dict[str,
             assert metric_names(target["expr"]) <= exported, panel["title"]
 
 
+def test_budget_measures_a_live_gateway_through_prometheus(stack: dict[str, Proc]) -> None:
+    gateway, prom = stack["gateway"], stack["prometheus"]
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode()
+
+    def requests(count: int) -> None:
+        for _ in range(count):
+            req = urllib.request.Request(
+                gateway.url + "/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+
+    # A labelled series is born at its first observation, so rates need a second
+    # batch of requests after Prometheus has seen the first.
+    requests(1)
+    _wait_until(lambda: _query(prom, "seawall_e2e_seconds_count"), "the gateway's first request")
+    requests(3)
+    _wait_until(
+        lambda: _query(prom, "sum(increase(seawall_e2e_seconds_count[1m])) > 0"),
+        "Prometheus to see the gateway's requests",
+    )
+    result = subprocess.run(
+        seawall_argv(
+            "budget",
+            "--json",
+            "--from-prometheus",
+            prom.url,
+            "--prom-range",
+            "1m",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert {"replicas", "workloads"} <= set(doc["measured"])
+    assert doc["inputs"]["replicas"] in (1, 2)
+    [workload] = doc["inputs"]["workloads"]
+    assert workload["name"] == MODEL and workload["stream_s"] > 0
+
+
 async def test_hang_fault_fires_the_stuck_replica_alert(stack: dict[str, Proc]) -> None:
     sim1, sim2, prom = stack["sim1"], stack["sim2"], stack["prometheus"]
     sim1_instance = f"127.0.0.1:{sim1.port}"
