@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.test_sim_api import get_json, metric, post, start_sim
 from tests.support.procs import Proc
@@ -192,6 +193,10 @@ def test_a_bad_fault_body_is_a_400(sim: Proc) -> None:
 def test_faults_given_at_start_are_in_force(request: pytest.FixtureRequest) -> None:
     proc = start_sim(
         request.node.name,
+        "--dcgm-gpus",
+        "2",
+        "--fault",
+        '{"kind":"dcgm","gpu":1,"xid":95,"recovery_action":1}',
         "--fault",
         '{"kind":"dcgm","xid":48}',
         "--fault",
@@ -200,7 +205,17 @@ def test_faults_given_at_start_are_in_force(request: pytest.FixtureRequest) -> N
     try:
         assert get_json(proc.url + "/sim/state")["slow_factor"] == 3
         with urllib.request.urlopen(proc.url + "/dcgm/metrics", timeout=5) as r:
-            assert "} 48\n" in r.read().decode().split("DCGM_FI_DEV_XID_ERRORS{")[1]
+            text = r.read().decode()
+        values = {
+            (s.name, s.labels["gpu"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert values["DCGM_FI_DEV_XID_ERRORS", "0"] == 48
+        assert values["DCGM_FI_DEV_XID_ERRORS", "1"] == 95
+        assert values["DCGM_FI_DEV_GET_GPU_RECOVERY_ACTION", "1"] == 1
+        assert values["DCGM_FI_DEV_GET_GPU_RECOVERY_ACTION", "0"] == 0
+        assert post(proc.url + "/sim/fault", {"kind": "dcgm", "gpu": 2, "xid": 1})[0] == 400
     finally:
         proc.stop()
 

@@ -60,7 +60,8 @@ def test_clear_resets_every_fault_and_hardware_signal() -> None:
     ):
         state.apply(fl.parse_fault(body))
     assert state.hang and state.slow_factor == 4 and state.errors and state.engine_dead
-    assert state.dcgm["DCGM_FI_DEV_XID_ERRORS"] == 48
+    assert state.dcgm_values(0)["DCGM_FI_DEV_XID_ERRORS"] == 48
+    assert state.dcgm_values(1)["DCGM_FI_DEV_XID_ERRORS"] == 0
     state.apply(fl.Clear())
     assert state == fl.FaultState()
 

@@ -26,6 +26,7 @@ Flags and defaults:
   --compat                      also emit vllm:gpu_cache_usage_perc and
                                 vllm:time_per_output_token_seconds (pre-0.10 names)
   --enable-server-load-tracking GET /load counts in-flight requests (0 without, as vLLM)
+  --dcgm-gpus 1                 GPUs shown on /dcgm/metrics (gpu="0".."N-1")
 
 With the default costs one sequence decodes at ~10 ms per token, 100 at ~20 ms, and a
 2,048-token prefill step takes ~110 ms, so TTFT grows with prompt length and load.
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-per-prefill-token-ms", type=float, default=0.05)
     parser.add_argument("--compat", action="store_true")
     parser.add_argument("--enable-server-load-tracking", action="store_true")
+    parser.add_argument("--dcgm-gpus", type=int, default=1)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -88,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             load_time_s = max(load_time_s, fault.seconds)
         else:
             faults.append(fault)
-    for name in ("max_model_len", "kv_blocks", "block_size", "max_num_seqs"):
+    for name in ("max_model_len", "kv_blocks", "block_size", "max_num_seqs", "dcgm_gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_num_batched_tokens < 1:
@@ -125,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         costs=costs,
         compat=args.compat,
         enable_server_load_tracking=args.enable_server_load_tracking,
+        dcgm_gpus=args.dcgm_gpus,
     )
 
 

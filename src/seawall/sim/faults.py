@@ -16,8 +16,10 @@ Kinds (all fields optional unless said):
   "after_tokens": N}`: that fraction of new requests fails, with a 500 before the first
   token, or with a mid-stream error event after N tokens (default 1).
 - `{"kind": "load_time", "seconds": S}`: at start only: the port is bound after S s.
-- `{"kind": "dcgm", "xid": 79, "ecc_dbe": 1, "ecc_sbe": 0, "row_remap_failure": 1,
-  "fields": {"DCGM_FI_...": value}}`: set hardware signals on `/dcgm/metrics`.
+- `{"kind": "dcgm", "gpu": 0, "xid": 79, "ecc_dbe": 1, "ecc_sbe": 0,
+  "row_remap_failure": 1, "recovery_action": 2, "nvlink_crc_flit": 1,
+  "fields": {"DCGM_FI_...": value}}`: set hardware signals of one GPU (default 0) on
+  `/dcgm/metrics`.
 - `{"kind": "clear"}`: every fault off, hardware signals back to healthy.
 """
 
@@ -67,6 +69,7 @@ class LoadTime:
 @dataclass(frozen=True, slots=True)
 class Dcgm:
     fields: dict[str, float]
+    gpu: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,31 @@ DCGM_FIELDS: dict[str, tuple[str, str, float]] = {
         0,
     ),
     "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("counter", "Total number of PCIe retries.", 0),
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": (
+        "counter",
+        "Total number of NVLink flow-control CRC errors.",
+        0,
+    ),
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": (
+        "counter",
+        "Total number of NVLink data CRC errors.",
+        0,
+    ),
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": (
+        "counter",
+        "Total number of NVLink retries.",
+        0,
+    ),
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": (
+        "counter",
+        "Total number of NVLink recovery errors.",
+        0,
+    ),
+    "DCGM_FI_DEV_GET_GPU_RECOVERY_ACTION": (
+        "gauge",
+        "GPU recovery action: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset.",
+        0,
+    ),
     "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C).", 41),
     "DCGM_FI_DEV_MEMORY_TEMP": ("gauge", "Memory temperature (in C).", 45),
     "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W).", 95.0),
@@ -116,6 +144,11 @@ _DCGM_SHORTCUTS = {
     "uncorrectable_remapped_rows": "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
     "pcie_replay": "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
     "gpu_temp": "DCGM_FI_DEV_GPU_TEMP",
+    "recovery_action": "DCGM_FI_DEV_GET_GPU_RECOVERY_ACTION",
+    "nvlink_crc_flit": "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "nvlink_crc_data": "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    "nvlink_replay": "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+    "nvlink_recovery": "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
 }
 
 
@@ -184,11 +217,12 @@ def parse_fault(body: Any) -> Fault:
             fields[name] = float(value)
         if not fields:
             raise FaultError("'dcgm' needs at least one field to set")
-        return Dcgm(fields=fields)
+        gpu = _number(body, "gpu")
+        return Dcgm(fields=fields, gpu=0 if gpu is None else int(gpu))
     raise FaultError(f"unknown fault kind {kind!r}")
 
 
-def _healthy_dcgm() -> dict[str, float]:
+def healthy_dcgm() -> dict[str, float]:
     return {name: float(default) for name, (_, _, default) in DCGM_FIELDS.items()}
 
 
@@ -201,7 +235,8 @@ class FaultState:
     slow_factor: float = 1.0
     errors: Errors | None = None
     crash: Crash | None = None
-    dcgm: dict[str, float] = field(default_factory=_healthy_dcgm)
+    # per GPU index: only GPUs a fault touched; the others read healthy_dcgm()
+    dcgm: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def apply(self, fault: Fault) -> None:
         match fault:
@@ -211,7 +246,7 @@ class FaultState:
                 self.slow_factor = 1.0
                 self.errors = None
                 self.crash = None
-                self.dcgm = _healthy_dcgm()
+                self.dcgm = {}
             case Crash():
                 self.crash = fault
             case EngineDead():
@@ -224,8 +259,11 @@ class FaultState:
                 self.errors = None if fault.rate == 0 else fault
             case LoadTime():
                 pass  # only meaningful before the port is bound; the CLI handles it
-            case Dcgm(fields=fields):
-                self.dcgm.update(fields)
+            case Dcgm(fields=fields, gpu=gpu):
+                self.dcgm.setdefault(gpu, healthy_dcgm()).update(fields)
+
+    def dcgm_values(self, gpu: int) -> dict[str, float]:
+        return dict(self.dcgm.get(gpu) or healthy_dcgm())
 
 
 def error_draw(seed: int, ordinal: int) -> float:

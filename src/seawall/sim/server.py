@@ -63,6 +63,7 @@ class SimConfig:
     costs: StepCosts = field(default_factory=StepCosts)
     compat: bool = False
     enable_server_load_tracking: bool = False
+    dcgm_gpus: int = 1
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -227,21 +228,29 @@ class SimServer:
         return response
 
     async def dcgm_metrics(self, request: web.Request) -> web.Response:
-        labels = (
-            f'gpu="0",UUID="GPU-5ea0a11-0000-4000-8000-{self.config.seed & 0xFFFFFFFFFFFF:012x}",'
-            f'pci_bus_id="00000000:00:1E.0",device="nvidia0",'
-            f'modelName="NVIDIA A100-SXM4-80GB",Hostname="{self.hostname}"'
-        )
-        values = dict(self.engine.faults.dcgm)
-        if values["DCGM_FI_DEV_GPU_UTIL"] == 0 and self.scheduler.running:
-            values["DCGM_FI_DEV_GPU_UTIL"] = 100.0 if self.engine.faults.hang is None else 0.0
+        """dcgm-exporter's shape: one series per GPU, labelled like the real exporter."""
+        faults = self.engine.faults
+        busy = bool(self.scheduler.running) and faults.hang is None
+        per_gpu = []
+        for gpu in range(self.config.dcgm_gpus):
+            labels = (
+                f'gpu="{gpu}",UUID="GPU-5ea0a11{gpu:x}-0000-4000-8000-'
+                f'{self.config.port:012x}",pci_bus_id="00000000:{gpu + 16:02X}:00.0",'
+                f'device="nvidia{gpu}",modelName="NVIDIA A100-SXM4-80GB",'
+                f'Hostname="{self.hostname}"'
+            )
+            values = faults.dcgm_values(gpu)
+            if values["DCGM_FI_DEV_GPU_UTIL"] == 0 and busy:
+                values["DCGM_FI_DEV_GPU_UTIL"] = 100.0
+            per_gpu.append((labels, values))
         lines: list[str] = []
         for name, (kind, help_text, _) in fl.DCGM_FIELDS.items():
-            value = values[name]
-            shown = str(int(value)) if value == int(value) else repr(value)
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
-            lines.append(f"{name}{{{labels}}} {shown}")
+            for labels, values in per_gpu:
+                value = values[name]
+                shown = str(int(value)) if value == int(value) else repr(value)
+                lines.append(f"{name}{{{labels}}} {shown}")
         response = web.Response(body=("\n".join(lines) + "\n").encode())
         response.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
         return response
@@ -284,6 +293,10 @@ class SimServer:
             raise bad_request(str(e)) from None
         if isinstance(fault, fl.LoadTime):
             raise bad_request("load_time applies at start only: pass --load-time or --fault")
+        if isinstance(fault, fl.Dcgm) and fault.gpu >= self.config.dcgm_gpus:
+            raise bad_request(
+                f"gpu {fault.gpu} does not exist (--dcgm-gpus {self.config.dcgm_gpus})"
+            )
         self.engine.apply_fault(fault)
         return _json({"applied": body.get("kind"), "state": self.engine.snapshot()})
 
