@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ARTIFACTS
+from tests.support.procs import ARTIFACTS, free_port, require_binary
+from tests.support.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -16,3 +17,13 @@ def artifacts(request: pytest.FixtureRequest) -> Iterator[Path]:
     path = ARTIFACTS / request.node.name.replace("/", "_").replace("[", "_").replace("]", "")
     path.mkdir(parents=True, exist_ok=True)
     yield path
+
+
+@pytest.fixture
+def redis_server(artifacts: Path) -> Iterator[RedisServer]:
+    server = RedisServer(require_binary("redis-server"), free_port(), artifacts)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
