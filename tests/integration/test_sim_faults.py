@@ -234,3 +234,34 @@ def test_in_flight_requests_keep_running_while_faults_change(sim: Proc) -> None:
     thread.join(timeout=30)
     assert results and results[0][0] == 200
     assert results[0][1]["usage"]["completion_tokens"] == 40
+
+
+def test_queue_limits_answer_503_and_count_the_rejection(
+    request: pytest.FixtureRequest,
+) -> None:
+    proc = start_sim(
+        request.node.name,
+        "--max-num-seqs",
+        "1",
+        "--max-num-queued-reqs",
+        "1",
+        "--step-base-ms",
+        "20",
+    )
+    try:
+        running = RawStream(proc, {"prompt": "x", "max_tokens": 4000, "ignore_eos": True})
+        assert running.read_until(b"data: ")
+        waiting = RawStream(proc, {"prompt": "y", "max_tokens": 5})
+        deadline = time.monotonic() + 10
+        while not get_json(proc.url + "/sim/state")["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, body = post(proc.url + "/v1/completions", {"prompt": "z", "max_tokens": 5})
+        assert status == 503
+        assert body["error"]["message"].startswith("The engine is currently busy")
+        rejected = metric(proc, "vllm:admission_rejections_total", reason="max_num_queued_reqs")
+        assert rejected == 1
+        running.close()
+        assert waiting.read_until(b"[DONE]")  # the queued request is served once room frees
+        waiting.close()
+    finally:
+        proc.stop()

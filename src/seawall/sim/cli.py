@@ -27,6 +27,8 @@ Flags and defaults:
                                 vllm:time_per_output_token_seconds (pre-0.10 names)
   --enable-server-load-tracking GET /load counts in-flight requests (0 without, as vLLM)
   --dcgm-gpus 1                 GPUs shown on /dcgm/metrics (gpu="0".."N-1")
+  --max-num-queued-reqs off     a full waiting queue answers 503 (vLLM's queue limit)
+  --max-num-queued-tokens off   a prompt-token backlog over N answers 503
 
 With the default costs one sequence decodes at ~10 ms per token, 100 at ~20 ms, and a
 2,048-token prefill step takes ~110 ms, so TTFT grows with prompt length and load.
@@ -71,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compat", action="store_true")
     parser.add_argument("--enable-server-load-tracking", action="store_true")
     parser.add_argument("--dcgm-gpus", type=int, default=1)
+    parser.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N")
+    parser.add_argument("--max-num-queued-tokens", type=int, default=None, metavar="N")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -128,6 +132,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         compat=args.compat,
         enable_server_load_tracking=args.enable_server_load_tracking,
         dcgm_gpus=args.dcgm_gpus,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
 
 

@@ -27,6 +27,14 @@ from seawall.sim.scheduler import FinishReason, Scheduler, SimRequest, StepResul
 
 # EngineDeadError.CLIENT_MESSAGE in vLLM 0.33
 ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
+QUEUE_FULL_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. Please try again later or "
+    "on a different instance."
+)
+TOKEN_BACKLOG_MESSAGE = (
+    "The engine has reached its prefill token backlog limit. Please try again later or on a "
+    "different instance."
+)
 INJECTED_ERROR_MESSAGE = "The server had an error while processing your request."
 
 
@@ -120,7 +128,11 @@ class Engine:
         seed: int,
         on_crash: Callable[[], None],
         on_engine_dead: Callable[[float], None],
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
     ) -> None:
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_num_queued_tokens = max_num_queued_tokens
         self.scheduler = scheduler
         self.metrics = metrics
         self.seed = seed
@@ -231,6 +243,7 @@ class Engine:
                     self.metrics.success["error"].inc()
                     raise ApiError(500, INJECTED_ERROR_MESSAGE, type="InternalServerError")
                 fail_after = errors.after_tokens
+        self._check_queue_limits(request)
         stream = Stream(request, arrival_s, stop, fail_after, streaming)
         if not self.accepting:
             # vLLM's _reject_add_in_shutdown: the request ends at once, as aborted
@@ -241,6 +254,20 @@ class Engine:
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self._work.set()
         return stream
+
+    def _check_queue_limits(self, request: SimRequest) -> None:
+        """vLLM's optional queue limits: a full queue answers 503 and counts a rejection."""
+        waiting = self.scheduler.waiting
+        limit = self.max_num_queued_reqs
+        if limit is not None and len(waiting) >= limit:
+            self.metrics.admission_rejections["max_num_queued_reqs"].inc()
+            raise ApiError(503, QUEUE_FULL_MESSAGE)
+        limit = self.max_num_queued_tokens
+        if limit is not None:
+            queued = sum(len(r.prompt_ids) for r in waiting) + len(request.prompt_ids)
+            if queued > limit:
+                self.metrics.admission_rejections["max_num_queued_tokens"].inc()
+                raise ApiError(503, TOKEN_BACKLOG_MESSAGE)
 
     def abort(self, stream: Stream) -> None:
         """The client went away: free the blocks now; not counted as a finished request."""

@@ -200,8 +200,10 @@ class SimMetrics:
             ["model_name", "reason"],
             registry=reg,
         )
-        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
-            rejections.labels(model_name=model_name, reason=reason)
+        self.admission_rejections = {
+            reason: rejections.labels(model_name=model_name, reason=reason)
+            for reason in ("max_num_queued_reqs", "max_num_queued_tokens")
+        }
 
         request_tokens = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = hist(

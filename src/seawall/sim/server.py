@@ -64,6 +64,8 @@ class SimConfig:
     compat: bool = False
     enable_server_load_tracking: bool = False
     dcgm_gpus: int = 1
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -127,6 +129,8 @@ class SimServer:
             config.seed,
             on_crash=self._crash,
             on_engine_dead=self._engine_dead,
+            max_num_queued_reqs=config.max_num_queued_reqs,
+            max_num_queued_tokens=config.max_num_queued_tokens,
         )
         self.created = int(clock.wall())
         self.in_flight = 0
