@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from seawall.ops.budget import BudgetInputs, Workload, compute, what_ifs
 from tests.support.procs import seawall_argv
@@ -94,7 +97,14 @@ def test_shares_are_normalised() -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [{"replicas": 0}, {"slo": 1.0}, {"workloads": ()}, {"window_days": 0}, {"restart_s": -1}],
+    [
+        {"replicas": 0},
+        {"slo": 1.0},
+        {"workloads": ()},
+        {"window_days": 0},
+        {"restart_s": -1},
+        {"max_streams_per_replica": 7},  # below the 8 streams each replica holds
+    ],
 )
 def test_impossible_inputs_are_refused(change: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -186,3 +196,48 @@ def test_the_worked_example_in_the_docs_is_what_the_command_prints() -> None:
         check=True,
     ).stdout
     assert out in doc, "docs/budget.md: paste the new output of the worked example"
+
+
+_inputs = st.builds(
+    BudgetInputs,
+    replicas=st.integers(1, 64),
+    streams_per_replica=st.floats(0.5, 256),
+    slo=st.floats(0.9, 0.99999),
+    window_days=st.floats(1, 90),
+    crashes_per_replica=st.floats(0, 50),
+    restart_s=st.floats(1, 3600),
+    workloads=st.lists(
+        st.builds(Workload, st.just("w"), st.floats(0.01, 1), st.floats(0.1, 3600)),
+        min_size=1,
+        max_size=4,
+    ).map(tuple),
+    rollouts_per_replica=st.floats(0, 20),
+    rollouts_drained=st.booleans(),
+    max_streams_per_replica=st.one_of(st.none(), st.floats(1, 512)),
+).filter(  # a fleet over its limit with every replica up is refused (tested above)
+    lambda i: (
+        i.max_streams_per_replica is None or i.max_streams_per_replica >= i.streams_per_replica
+    )
+)
+
+
+@given(_inputs)
+def test_workload_failures_add_up_to_the_total(i: BudgetInputs) -> None:
+    r = compute(i)
+    assert sum(w.failures for w in r.workloads) == pytest.approx(r.failures, rel=1e-9, abs=1e-9)
+    assert sum(w.requests for w in r.workloads) == pytest.approx(r.requests, rel=1e-9)
+
+
+@given(_inputs, st.floats(0.1, 10))
+def test_more_crashes_never_cost_less(i: BudgetInputs, extra: float) -> None:
+    worse = compute(replace(i, crashes_per_replica=i.crashes_per_replica + extra))
+    assert worse.failures >= compute(i).failures
+
+
+@given(_inputs)
+def test_draining_never_kills_streams_and_a_spare_never_adds_refusals(i: BudgetInputs) -> None:
+    alternatives = dict(what_ifs(i))
+    assert alternatives["drain rollouts"].rollout_failures == 0
+    spare = alternatives["add a spare replica"]
+    assert spare.overload_failures <= compute(i).overload_failures + 1e-9
+    assert spare.crash_failures == pytest.approx(compute(i).crash_failures)

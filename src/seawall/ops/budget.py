@@ -66,8 +66,16 @@ class BudgetInputs:
         for w in self.workloads:
             if w.share < 0 or w.stream_s <= 0:
                 raise ValueError(f"workload {w.name}: share >= 0 and stream_s > 0 needed")
-        if self.max_streams_per_replica is not None and self.max_streams_per_replica <= 0:
-            raise ValueError("max_streams_per_replica must be more than 0")
+        if self.max_streams_per_replica is not None:
+            if self.max_streams_per_replica <= 0:
+                raise ValueError("max_streams_per_replica must be more than 0")
+            if self.max_streams_per_replica < self.streams_per_replica:
+                # Then the fleet refuses work with every replica up, and restarts are the
+                # least of its problems: this model would understate the failures.
+                raise ValueError(
+                    "streams_per_replica exceeds max_streams_per_replica: the fleet is "
+                    "over its limit even with every replica up; add replicas first"
+                )
 
 
 @dataclass(frozen=True, slots=True)
