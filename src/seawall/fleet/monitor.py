@@ -30,7 +30,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
@@ -42,6 +42,12 @@ from seawall.fleet.adapters import Adapter, EngineKind, adapter_for, detect_engi
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Discovery, Endpoint, watch
 from seawall.fleet.gpu import HEALTHY, DcgmSample, GpuHealth, assess, parse_dcgm
+from seawall.fleet.signals import (
+    GatewaySignals,
+    NoGatewaySignals,
+    Observed,
+    ReplicaSetSignals,
+)
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.metrics import Metrics
 from seawall.policy import health
@@ -91,76 +97,7 @@ class ReplicaSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Observed:
-    """What the gateway saw from one replica over a recent window."""
-
-    ttft_p50_s: float | None = None
-    itl_p50_s: float | None = None
-    error_rate: float | None = None  # 0..1
-
-
-class GatewaySignals(Protocol):
-    """The gateway's own view of each replica; the monitor only reads it."""
-
-    def streams_in_flight(self, replica_id: str) -> int: ...
-
-    def chunks_relayed_total(self, replica_id: str) -> int: ...
-
-    def observed(self, replica_id: str) -> Observed: ...
-
-
-class NoGatewaySignals:
-    """No gateway (tests, a standalone monitor): only the engine's view counts."""
-
-    def streams_in_flight(self, replica_id: str) -> int:
-        return 0
-
-    def chunks_relayed_total(self, replica_id: str) -> int:
-        return 0
-
-    def observed(self, replica_id: str) -> Observed:
-        return Observed()
-
-
-class _GatewayReplica(Protocol):
-    streams: int
-    chunks_relayed: int
-    ttft_ewma_s: float | None
-    itl_ewma_s: float | None
-    error_ewma: float
-
-
-class _GatewayReplicas(Protocol):
-    def get(self, replica_id: str) -> _GatewayReplica | None: ...
-
-
-class ReplicaSetSignals:
-    """`GatewaySignals` over the gateway's `ReplicaSet` (anything with `.get(id)` returning
-    an object with `streams`, `chunks_relayed`, `ttft_ewma_s`, `itl_ewma_s`, `error_ewma`).
-
-    The gateway keeps moving averages rather than percentiles; they stand in for p50.
-    """
-
-    def __init__(self, replicas: _GatewayReplicas) -> None:
-        self._replicas = replicas
-
-    def streams_in_flight(self, replica_id: str) -> int:
-        r = self._replicas.get(replica_id)
-        return r.streams if r is not None else 0
-
-    def chunks_relayed_total(self, replica_id: str) -> int:
-        r = self._replicas.get(replica_id)
-        return r.chunks_relayed if r is not None else 0
-
-    def observed(self, replica_id: str) -> Observed:
-        r = self._replicas.get(replica_id)
-        if r is None:
-            return Observed()
-        return Observed(r.ttft_ewma_s, r.itl_ewma_s, r.error_ewma)
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
+class TransitionRecord:
     """One state change, kept for `describe()` (the admin API shows the last few)."""
 
     at: float  # monotonic seconds
@@ -242,7 +179,7 @@ class FleetMonitor:
         self._snapshot = FleetSnapshot()
         self._listeners: list[Callable[[FleetSnapshot], None]] = []
         self._background: set[asyncio.Task[None]] = set()
-        self._history: deque[Transition] = deque(maxlen=50)
+        self._history: deque[TransitionRecord] = deque(maxlen=50)
         self._running = False
         self._pending = list(replicas)
 
@@ -416,8 +353,9 @@ class FleetMonitor:
     def set_replicas(self, specs: Sequence[ReplicaSpec]) -> None:
         """Reconcile with a discovered set: add the new, drop the gone, keep the rest."""
         wanted = {s.replica_id: s for s in specs}
-        for rid in list(self._replicas):
-            if rid not in wanted:
+        for rid, rep in list(self._replicas.items()):
+            # Same id at a new address (a StatefulSet pod recreated): start it afresh.
+            if wanted.get(rid) != rep.spec:
                 self.remove_replica(rid)
         for spec in specs:
             self.add_replica(spec)
@@ -712,7 +650,7 @@ class FleetMonitor:
 
     def _record(self, rep: _Replica, event: str, before: State, after: State, why: str) -> None:
         now = clock.monotonic()
-        self._history.append(Transition(now, rep.spec.replica_id, event, before, after, why))
+        self._history.append(TransitionRecord(now, rep.spec.replica_id, event, before, after, why))
         if before is not after:
             level = logging.INFO if after in (State.ready, State.starting) else logging.WARNING
             log.log(level, "replica %s: %s -> %s (%s)", rep.spec.replica_id, before, after, why)
@@ -1036,6 +974,6 @@ __all__ = [
     "Observed",
     "ReplicaSetSignals",
     "ReplicaSpec",
-    "Transition",
+    "TransitionRecord",
     "replica_specs",
 ]
