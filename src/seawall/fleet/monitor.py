@@ -361,13 +361,24 @@ class FleetMonitor:
             self.add_replica(spec)
 
     def start_discovery(
-        self, discovery: Discovery, interval_s: float, model: str = "", engine: str = "auto"
+        self,
+        discovery: Discovery,
+        interval_s: float,
+        model: str = "",
+        engine: str = "auto",
+        apply: Callable[[list[ReplicaSpec]], None] | None = None,
     ) -> None:
-        """Keep the replica set equal to what `discovery` finds, every `interval_s`."""
+        """Re-resolve `discovery` every `interval_s` and reconcile with each new set.
+
+        `apply` receives the specs instead of `set_replicas` when the caller keeps its
+        own replica list too (the gateway routes from its own set and must add and drop
+        replicas in both).
+        """
         stop = asyncio.Event()
+        reconcile = apply or self.set_replicas
 
         def changed(endpoints: frozenset[Endpoint]) -> None:
-            self.set_replicas([_spec_from(e, model, engine) for e in sorted(endpoints)])
+            reconcile([_spec_from(e, model, engine) for e in sorted(endpoints)])
 
         self._spawn(watch(discovery, interval_s, changed, stop))
 
