@@ -9,6 +9,7 @@ themselves are covered against real `seawall sim` processes in test_fleet_monito
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,8 +201,9 @@ async def test_operator_hold_cordon_and_describe(engine: ScriptedEngine) -> None
             sample("seawall_replica_state", {"replica": "r0", "node": "n1", "state": "cordoned"})
             == 1.0
         )
-        info = monitor.describe()
+        info = json.loads(json.dumps(monitor.describe()))  # what the admin API serves
         assert info["nodes"][0]["cordoned"] is True
+        assert info["transitions"][-1]["to"] == "cordoned"
         replica = info["replicas"][0]
         assert {"state", "reason", "score", "score_parts", "load", "in_flight", "restarts"} <= set(
             replica

@@ -661,7 +661,9 @@ class FleetMonitor:
 
     def _record(self, rep: _Replica, event: str, before: State, after: State, why: str) -> None:
         now = clock.monotonic()
-        self._history.append(TransitionRecord(now, rep.spec.replica_id, event, before, after, why))
+        self._history.append(
+            TransitionRecord(now, rep.spec.replica_id, event, before.value, after.value, why)
+        )
         if before is not after:
             level = logging.INFO if after in (State.ready, State.starting) else logging.WARNING
             log.log(level, "replica %s: %s -> %s (%s)", rep.spec.replica_id, before, after, why)
