@@ -15,7 +15,7 @@ from seawall.fleet.adapters import ADAPTER_METRICS, EngineKind, adapter_for, det
 from seawall.fleet.view import EngineLoad
 
 GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
-REPO_GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.33.0-metrics.txt"
+REPO_GOLDEN = Path(__file__).resolve().parents[1] / "data" / "vllm-0.33.0-metrics.txt"
 
 
 def golden_text() -> str:
