@@ -131,6 +131,13 @@ def routable(monitor: FleetMonitor, rid: str = "r0") -> bool:
     return v is not None and v.routable
 
 
+def taken_out(snapshots: list[FleetSnapshot], rid: str = "r0") -> bool:
+    """Some published snapshot showed the replica restarting and out of routing."""
+    return any(
+        s.replicas[rid].state == "restarting" and not s.replicas[rid].routable for s in snapshots
+    )
+
+
 def described(monitor: FleetMonitor, rid: str = "r0") -> dict[str, Any]:
     return next(r for r in monitor.describe()["replicas"] if r["id"] == rid)
 
@@ -157,6 +164,8 @@ async def test_hang_with_the_running_gauge_kept_is_caught_by_the_engine_view(
     spec = start_sim(actuator)
     config = fast_config(tmp_path, deep_probe_failures_threshold=10)
     async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        snapshots: list[FleetSnapshot] = []
+        monitor.subscribe(snapshots.append)
         await until(lambda: routable(monitor), "replica ready")
         stream = asyncio.create_task(long_stream(spec.url))
         try:
@@ -172,6 +181,7 @@ async def test_hang_with_the_running_gauge_kept_is_caught_by_the_engine_view(
         finally:
             stream.cancel()
         [(rid, reason)] = actuator.restarts
+        assert taken_out(snapshots)
         assert rid == "r0"
         assert reason.startswith("no progress with work in flight: engine reports 1 running")
         await until(lambda: routable(monitor), "back after the restart")
@@ -198,12 +208,15 @@ async def test_hang_with_running_zero_is_caught_through_the_gateway_view(
     spec = start_sim(actuator)
     config = fast_config(tmp_path, deep_probe_failures_threshold=10)
     async with FleetMonitor(config, [spec], actuator=actuator, signals=signals) as monitor:
+        snapshots: list[FleetSnapshot] = []
+        monitor.subscribe(snapshots.append)
         await until(lambda: routable(monitor), "replica ready")
         await fault(spec.url, {"kind": "hang", "running": "zero"})
         signals.hung = True
         await until(lambda: bool(actuator.restarts), "restart requested")
         signals.hung = False
         [(_, reason)] = actuator.restarts
+        assert taken_out(snapshots)
         assert "gateway has 1 streams in flight with no chunk relayed" in reason
         assert "engine reports 0 running" in reason
 
@@ -214,12 +227,15 @@ async def test_an_idle_hang_is_taken_out_by_deep_probes_and_restarted(
     spec = start_sim(actuator)
     config = fast_config(tmp_path, deep_probe_failures_threshold=2)
     async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        snapshots: list[FleetSnapshot] = []
+        monitor.subscribe(snapshots.append)
         await until(lambda: routable(monitor), "replica ready")
         await fault(spec.url, {"kind": "hang", "running": "keep"})
         await until(lambda: view_of(monitor).state == "degraded", "degraded")
         assert view_of(monitor).score < 0.25  # routed at a quarter weight at most
         await until(lambda: bool(actuator.restarts), "restart requested")
         [(_, reason)] = actuator.restarts
+        assert taken_out(snapshots)
         assert reason.startswith("deep probes still failing while degraded")
 
 
