@@ -64,10 +64,16 @@ def run_baseline_server(port: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_get("/health", health)
-    uvloop.run(web._run_app(app, host="127.0.0.1", port=port, print=None, access_log=None))
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+        await asyncio.Event().wait()  # until terminated
+
+    uvloop.run(serve())
 
 
 # ----------------------------------------------------------------------------- client
@@ -145,8 +151,10 @@ def measure(
             env=env,
             capture_output=True,
             timeout=seconds + 60,
-            check=True,
+            check=False,
         )
+        if out.returncode != 0:
+            raise SystemExit(f"load client failed:\n{out.stderr.decode()[-3000:]}")
         cpu_used = cpu_seconds(server.pid) - cpu_before
         result: dict[str, float] = json.loads(out.stdout)
         result["cpu_s"] = cpu_used

@@ -734,7 +734,7 @@ class SimServer:
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
         )
         await runner.setup()
-        site = web.TCPSite(runner, c.host, c.port, reuse_address=True, backlog=1024)
+        site = web.TCPSite(runner, c.host, c.port, reuse_address=True, backlog=4096)
         await site.start()
         print(
             f"seawall sim: serving {c.model} on http://{c.host}:{c.port} "
