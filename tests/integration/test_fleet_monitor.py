@@ -318,3 +318,17 @@ async def long_stream(url: str) -> None:
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as resp:
         async for _ in resp.content:
             pass
+
+
+async def test_a_fatal_xid_on_the_sim_gpu_cordons_its_node_without_a_restart(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, dcgm={"n1": spec.url + "/dcgm/metrics"}, dcgm_interval_s=0.2)
+    async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        await until(lambda: routable(monitor), "replica ready")
+        await fault(spec.url, {"kind": "dcgm", "xid": 79})
+        await until(lambda: bool(actuator.cordons), "node cordoned")
+        assert actuator.cordons[0].reasons == ("gpu 0: xid 79",)
+        assert view_of(monitor).state == "cordoned" and not routable(monitor)
+        assert actuator.restarts == []
