@@ -64,8 +64,9 @@ MODEL = "sim-model"
 SYSTEMS = ("direct", "seawall", "vllm-router", "litellm")
 
 # LiteLLM proxy, made as lean as it goes: no database (no DATABASE_URL), no spend or
-# error logs, a master key (it refuses to start without one; the client sends it), no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
-# the default simple-shuffle router over one deployment per replica.
+# error logs, no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
+# the default simple-shuffle router over one deployment per replica. It refuses to start
+# without a master key, so it has one (the load driver sends it as its bearer token).
 LITELLM_CONFIG = """\
 model_list:
 {deployments}
@@ -107,9 +108,18 @@ def peer_venv(name: str, spec: str, binary: str) -> Path:
     if exe.exists():
         return exe
     print(f"installing {spec} into {venv} ...", flush=True)
+    PEERS.mkdir(parents=True, exist_ok=True)
+    ignore = PEERS / ".gitignore"
+    if not ignore.exists():  # keep the venvs out of git and out of ruff's reach
+        ignore.write_text("# throwaway peer venvs of bench/bench_gateway.py; never committed\n*\n")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", spec], check=True, timeout=1800)
     return exe
+
+
+def peer_version(name: str, dist: str) -> str:
+    found = sorted((PEERS / name).glob(f"lib/python*/site-packages/{dist}-*.dist-info"))
+    return found[-1].name.removeprefix(f"{dist}-").removesuffix(".dist-info") if found else "?"
 
 
 # ----------------------------------------------------------------------------- systems
@@ -170,7 +180,8 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
         argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
         proc = Proc(name, argv, log, env=_env({"RUST_LOG": "warn"}), cwd=PEERS)
         wait_http(url + "/health", 120, proc)
-        return System(name, url, proc, f"policy {args.router_policy}, log level warning")
+        version = peer_version("vllm-router", "vllm_router")
+        return System(name, url, proc, f"{version}, policy {args.router_policy}, log level warning")
     if name == "litellm":
         exe = peer_venv("litellm", "litellm[proxy]", "litellm")
         deployments = "".join(
@@ -189,7 +200,10 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
         env.pop("PYTHONPATH", None)
         proc = Proc(name, argv, log, env=env, cwd=PEERS)
         wait_http(url + "/health/liveliness", 180, proc)
-        return System(name, url, proc, "hosted_vllm, simple-shuffle, no DB/telemetry/logs")
+        version = peer_version("litellm", "litellm")
+        return System(
+            name, url, proc, f"{version}, hosted_vllm, simple-shuffle, no DB/telemetry/logs"
+        )
     raise ValueError(name)
 
 
@@ -232,11 +246,17 @@ def _children_cpu() -> float:
 
 
 def measure(
-    system: System, sims: list[Proc], urls: list[str], conc: int, args: argparse.Namespace
+    system: System,
+    sims: list[Proc],
+    urls: list[str],
+    conc: int,
+    args: argparse.Namespace,
+    warm_up: bool,
 ) -> Row:
     target = [system.url] if system.url else urls
-    warm = max(conc, min(args.requests // 5, 2 * conc))
-    run_driver(target, MODEL, args.route, conc, warm, args.max_tokens, 60.0, 30.0)
+    if warm_up:
+        warm = max(conc, min(args.requests // 5, 2 * conc))
+        run_driver(target, MODEL, args.route, conc, warm, args.max_tokens, 60.0, 30.0)
     time.sleep(0.5)
     pid = system.proc.pid if system.proc else None
     proxy0 = cpu_seconds(pid) if pid else 0.0
@@ -255,6 +275,51 @@ def measure(
     row.ok, row.failed, row.errors = out["ok"], out["failed"], out["errors"]
     row.ttft, row.elapsed_s, row.tokens = out["ttft_s"], out["elapsed_s"], out["chunks"]
     return row
+
+
+def run_rounds(
+    systems: list[System],
+    sims: list[Proc],
+    urls: list[str],
+    args: argparse.Namespace,
+    runs: list[Row],
+) -> None:
+    """Interleaved: every round runs each system once per concurrency, starting from a
+    different system each round, so a burst of load from elsewhere on a shared machine
+    does not land on one system only."""
+    for rnd in range(args.rounds):
+        for conc in args.concurrency:
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+            for system in order:
+                row = measure(system, sims, urls, conc, args, warm_up=rnd == 0)
+                runs.append(row)
+                print(
+                    f"  round {rnd + 1} {system.name:<12} c={conc:<4} ok={row.ok:<5} "
+                    f"failed={row.failed:<4} TTFT p50 {row.p(50):7.2f} ms  "
+                    f"CPU-s/1k {row.cpu_per_1k:6.2f}  "
+                    f"machine busy {100 * row.machine_busy:3.0f}%",
+                    flush=True,
+                )
+
+
+def pool(runs: list[Row]) -> list[Row]:
+    """One row per (system, concurrency): TTFTs pooled, counts, CPU and time summed."""
+    out: dict[tuple[str, int], Row] = {}
+    for r in runs:
+        p = out.setdefault((r.system, r.concurrency), Row(r.system, r.concurrency))
+        first = math.isnan(p.elapsed_s)
+        p.ok += r.ok
+        p.failed += r.failed
+        p.ttft = p.ttft + r.ttft
+        p.tokens += r.tokens
+        for name in ("proxy_cpu_s", "sim_cpu_s", "client_cpu_s"):
+            setattr(p, name, (0.0 if first else getattr(p, name)) + getattr(r, name))
+        busy = 0.0 if first else p.machine_busy * p.elapsed_s
+        p.elapsed_s = (0.0 if first else p.elapsed_s) + r.elapsed_s
+        p.machine_busy = (busy + r.machine_busy * r.elapsed_s) / p.elapsed_s
+        for k, v in r.errors.items():
+            p.errors[k] = p.errors.get(k, 0) + v
+    return list(out.values())
 
 
 def profile_seawall(
@@ -366,20 +431,29 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         d = direct.get(r.concurrency)
         if r.system in ("direct", "seawall") or s is None or d is None:
             continue
-        added = (s.p(50) - d.p(50), r.p(50) - d.p(50), s.p(99) - d.p(99), r.p(99) - d.p(99))
+        s50, r50 = s.p(50) - d.p(50), r.p(50) - d.p(50)
+        s99, r99 = s.p(99) - d.p(99), r.p(99) - d.p(99)
         ratios.append(
             [
                 f"seawall/{r.system}",
                 r.concurrency,
                 s.cpu_per_1k / r.cpu_per_1k if r.cpu_per_1k else math.nan,
-                added[0] / added[1] if added[1] > 0 else math.nan,
-                added[2] / added[3] if added[3] > 0 else math.nan,
+                s50 / r50 if r50 > 0.05 else math.nan,
+                s99 / r99 if r99 > 0.05 else math.nan,
+                s50 - r50,
+                s99 - r99,
                 (s.tokens / s.elapsed_s) / (r.tokens / r.elapsed_s) if r.tokens else math.nan,
             ]
         )
     if ratios:
         print()
-        print_table(["ratio", "conc", "CPU/req", "added p50", "added p99", "tokens/s"], ratios)
+        print_table(
+            [
+                "ratio", "conc", "CPU/req", "added p50", "added p99",
+                "added p50 diff ms", "added p99 diff ms", "tokens/s",
+            ],
+            ratios,
+        )  # fmt: skip
 
     print()
     for c, s in sorted(seawall.items()):
@@ -422,6 +496,9 @@ def main() -> int:
     parser.add_argument(
         "--time-limit", type=float, default=120.0, help="seconds: a load stops opening streams"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="interleaved rounds, pooled (default 1)"
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the Seawall gateway")
     parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
     args = parser.parse_args()
@@ -450,25 +527,25 @@ def main() -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     sims = start_sims(args)
     urls = [f"http://127.0.0.1:{s.port}" for s in sims]
-    rows: list[Row] = []
-    notes: dict[str, str] = {}
+    systems: list[System] = []
+    runs: list[Row] = []
     try:
-        for name in names:
-            try:
-                system = start_system(name, urls, args)
-            except (RuntimeError, subprocess.CalledProcessError) as e:
-                print(f"{name}: could not start: {e}", file=sys.stderr)
-                continue
-            notes[name] = system.notes
-            try:
-                for conc in args.concurrency:
-                    print(f"  {name} at concurrency {conc} ...", flush=True)
-                    rows.append(measure(system, sims, urls, conc, args))
-            finally:
+        try:
+            for name in names:
+                try:
+                    systems.append(start_system(name, urls, args))
+                except (RuntimeError, subprocess.CalledProcessError) as e:
+                    print(f"{name}: could not start: {e}", file=sys.stderr)
+            run_rounds(systems, sims, urls, args, runs)
+        finally:
+            for system in systems:
                 if system.proc is not None:
                     system.proc.stop()
-        print("\nsystems: " + "; ".join(f"{k}: {v}" for k, v in notes.items()))
+        print("\nsystems: " + "; ".join(f"{s.name}: {s.notes}" for s in systems))
         print(f"after the loads: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rows = pool(runs)
+        if args.rounds > 1:
+            print(f"(pooled over {args.rounds} rounds: all TTFT samples, summed CPU and time)")
         report(rows, args)
         if args.json:
             Path(args.json).write_text(json.dumps([r.__dict__ for r in rows]))
