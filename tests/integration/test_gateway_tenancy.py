@@ -97,6 +97,8 @@ def test_tier_limits_reject_or_clamp_before_the_engine(sim: Proc, artifacts: Pat
             "lenient": {"tier": "clamped", "api_key_hashes": [lenient_hash]},
         },
     }
+    # No deep probes: this test counts the requests the engine served.
+    cfg["fleet"] = {"deep_probe_interval_s": 3600, "deep_probe_idle_interval_s": 3600}
     gw = start_gateway(artifacts, [sim], cfg)
     with running(gw):
         long_prompt = "the seawall holds " * 40

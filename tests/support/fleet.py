@@ -63,6 +63,8 @@ def start_gateway(
         }
         for i, r in enumerate(replicas)
     ] + list(cfg.get("replicas", []))
+    fleet = cfg.setdefault("fleet", {})
+    fleet.setdefault("ledger_path", str(log_dir / f"{name}-{port}-ledger.sqlite"))
     path = log_dir / f"{name}-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = spawn(

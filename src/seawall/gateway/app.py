@@ -17,10 +17,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from seawall import clock
-from seawall.config import GatewayConfig
+from seawall.actuate.base import Actuator
+from seawall.config import ConfigError, GatewayConfig, format_validation_error
 from seawall.errors import ApiError
+from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.metrics import Metrics
@@ -64,6 +68,7 @@ class Gateway:
         rng: random.Random | None = None,
         access_log: bool = True,
         install: bool = True,
+        actuator: Actuator | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
@@ -91,6 +96,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
+        self.monitor = self._build_monitor(actuator)
+        self.set_snapshot_source(self.monitor.snapshot)
         if install:
             from seawall.gateway.stack import install_layers
 
@@ -103,6 +110,23 @@ class Gateway:
         assert self._session is not None, "Gateway.start() first"
         return self._session
 
+    def _build_monitor(self, actuator: Actuator | None) -> FleetMonitor:
+        fleet = load_fleet_config(self.config)
+        if actuator is None:
+            # The Kubernetes actuator needs I/O to load its credentials: start() sets it.
+            if fleet.actuator == "local":
+                raise ConfigError(
+                    "fleet.actuator: 'local' restarts processes Seawall started itself; "
+                    "use it through `seawall up`, or choose 'none' or 'kubernetes'"
+                )
+        return FleetMonitor(
+            fleet,
+            [_spec(r) for r in self.replicas.all()],
+            actuator=actuator,
+            metrics=self.metrics,
+            signals=ReplicaSetSignals(self.replicas),
+        )
+
     def add_replica(
         self,
         replica_id: str,
@@ -114,7 +138,14 @@ class Gateway:
     ) -> Replica:
         replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
         self.replicas.add(replica)
+        monitor: FleetMonitor | None = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.add_replica(_spec(replica))
         return replica
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.replicas.remove(replica_id)
+        self.monitor.remove_replica(replica_id)
 
     def set_snapshot_source(self, source: Any) -> None:
         """The fleet monitor's `snapshot()`: read per request, never awaited."""
@@ -206,6 +237,11 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        if self.monitor.config.actuator == "kubernetes" and self.monitor.actuator.name == "none":
+            from seawall.actuate.kubernetes import KubernetesActuator
+
+            self.monitor.actuator = await KubernetesActuator.from_environment()
+        await self.monitor.start()
         self._tasks.append(asyncio.create_task(self._discover_loop()))
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -266,7 +302,21 @@ class Gateway:
                 await task
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.monitor.stop()
+        await self.monitor.actuator.close()
         if self.guard is not None:
             await self.guard.close()
         if self._session is not None:
             await self._session.close()
+
+
+def _spec(r: Replica) -> ReplicaSpec:
+    return ReplicaSpec(r.id, r.url, r.model or "", r.node, r.engine)
+
+
+def load_fleet_config(config: GatewayConfig) -> FleetMonitorConfig:
+    try:
+        return FleetMonitorConfig.model_validate(config.fleet)
+    except ValidationError as e:
+        text = format_validation_error(e, "fleet")
+        raise ConfigError(text.replace("\n  ", "\n  fleet.")) from None

@@ -60,9 +60,11 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             timeouts[key] = value
     data["timeouts"] = timeouts
     config = parse_config(data, args.config or "command line")
+    from seawall.gateway.app import load_fleet_config
     from seawall.gateway.tenancy import load_tenancy
 
     load_tenancy(config)  # tenants, tiers, rate limits, admission: fail here, not at start
+    load_fleet_config(config)
     if not config.replicas:
         raise ConfigError(
             "no replicas: pass --replica URL or list them under `replicas:` in --config"
