@@ -107,6 +107,28 @@ async def test_a_crash_looping_command_backs_off_and_never_runs(artifacts: Path)
         assert "running" not in [e.kind for e in events]
 
 
+async def test_a_restart_request_does_not_cut_a_crash_backoff_short(artifacts: Path) -> None:
+    """The fleet monitor asks for a restart whenever it sees a replica die; obeying
+    during the backoff would make a crash loop a tight loop."""
+    events: list[ReplicaEvent] = []
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    async with LocalSupervisor(
+        log_dir=artifacts,
+        command=crash,
+        backoff=BackoffPolicy(initial_s=600.0),
+        on_change=events.append,
+    ) as sup:
+        (ref,) = await sup.start("m", 1)
+        await until(lambda: sup.replicas()[0].state == "backoff")
+        await sup.restart(ref, "monitor saw it die")
+        (status,) = sup.replicas()
+        assert status.state == "backoff" and status.restarts == 0
+        assert events[-1].kind == "restart_refused" and "already restarting" in events[-1].reason
+        await sup.restart(ref, "operator insists", force=True)
+        await until(lambda: sup.replicas()[0].restarts == 1)
+        assert [e.kind for e in events].count("starting") == 2
+
+
 async def test_a_loading_replica_is_not_restarted_within_its_allowance(artifacts: Path) -> None:
     events: list[ReplicaEvent] = []
     async with LocalSupervisor(
@@ -161,21 +183,27 @@ async def test_stop_kills_a_replica_that_ignores_sigterm_after_the_grace(artifac
 
 
 async def test_close_leaves_no_process_behind_not_even_a_forked_worker(artifacts: Path) -> None:
-    worker_pid_file = artifacts / "worker.pid"
-    worker_pid_file.unlink(missing_ok=True)
+    pid_files = [artifacts / f"worker-r{i}.pid" for i in range(2)]
+    for f in pid_files:
+        f.unlink(missing_ok=True)
     # The engine forks a long-lived worker, as vLLM does, then serves.
     forking = [
         "sh",
         "-c",
-        f"sleep 300 & echo $! > {worker_pid_file}; "
+        f"sleep 300 & echo $! > {artifacts}/worker-{{replica}}.pid.tmp; "
+        f"mv {artifacts}/worker-{{replica}}.pid.tmp {artifacts}/worker-{{replica}}.pid; "
         f"exec {sys.executable} -m http.server --bind 127.0.0.1 {{port}}",
     ]
     sup = LocalSupervisor(log_dir=artifacts, command=forking, health_path="/", stop_grace_s=5)
     await sup.start("m", 2)
     assert await sup.wait_running(20)
-    await until(worker_pid_file.exists)
-    with open(worker_pid_file) as f:
-        pids = [*sup.all_pids(), int(f.read())]
+    await until(lambda: all(f.exists() for f in pid_files))
+    workers = []
+    for pid_file in pid_files:
+        with open(pid_file) as f:
+            workers.append(int(f.read()))
+    pids = [*sup.all_pids(), *workers]
+    assert len(set(pids)) == 4
     assert all(alive(p) for p in pids)
     await sup.close()
     assert not any(alive(p) for p in pids)

@@ -452,8 +452,10 @@ class LocalSupervisor:
             ready.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ready
-        # The leader is gone; its workers must not outlive it.
+        # The leader is gone; its workers must not outlive it (nor hold the port the
+        # next start needs).
         _killpg(proc.pid, signal.SIGKILL)
+        await _group_gone(proc.pid)
         return code
 
     async def _await_ready(self, rep: _Replica) -> None:
@@ -505,6 +507,7 @@ class LocalSupervisor:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        await _group_gone(proc.pid)
 
     # ---- Actuator
 
@@ -517,31 +520,44 @@ class LocalSupervisor:
     async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> None:
         """Stop the replica's process and start it again at once (no backoff).
 
-        A replica still loading inside its startup allowance is not restarted (unless
-        `force`): killing a model mid-load only starts the load again from zero.
+        Not done (unless `force`), with a `restart_refused` event saying why:
+        - a replica still loading inside its startup allowance: killing a model mid-load
+          only starts the load again from zero;
+        - a replica that crashed and is waiting out its backoff: the supervisor is already
+          restarting it, and skipping the wait would turn a crash loop into a tight loop
+          (the fleet monitor asks for a restart whenever it sees a replica die).
+        A process that has just died on its own is left to the crash path for the same
+        reason. A stopped replica is started again.
         """
         rep = self._get(replica)
+        asked = reason or "requested"
         if self.is_cordoned(rep.node):
             raise CordonedError(f"node {rep.node} is cordoned: not restarting {rep.replica_id}")
-        if (
-            not force
-            and rep.state == "starting"
-            and not startup_expired(rep.started_at, self.startup_allowance_s, clock.monotonic())
-        ):
-            self._emit(rep, "restart_refused", f"still loading (asked: {reason})")
-            return
-        rep.restart_requested = reason or "requested"
         if rep.task is None or rep.task.done():  # stopped: start it again
             rep.want_stop = False
             rep.held_by_cordon = False
             rep.restarts += 1
-            rep.reason = f"restarted: {rep.restart_requested}"
-            rep.restart_requested = ""
+            rep.reason = f"restarted: {asked}"
             rep.task = asyncio.create_task(self._supervise(rep), name=f"supervise-{rep.replica_id}")
             return
+        now = clock.monotonic()
+        if not force:
+            if rep.state == "starting" and not startup_expired(
+                rep.started_at, self.startup_allowance_s, now
+            ):
+                self._emit(rep, "restart_refused", f"still loading (asked: {asked})")
+                return
+            if rep.state == "backoff":
+                self._emit(rep, "restart_refused", f"already restarting (asked: {asked})")
+                return
         if rep.state == "backoff":
+            rep.restart_requested = asked
             rep.wake.set()
             return
+        proc = rep.proc
+        if proc is None or proc.returncode is not None:
+            return  # it died on its own just now: the crash path restarts it, with backoff
+        rep.restart_requested = asked
         await self._terminate(rep, self.stop_grace_s)
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
@@ -621,6 +637,38 @@ def _pending_restart(rep: _Replica) -> str:
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    # killpg(0) also succeeds for zombies, which a container's init may never reap;
+    # a zombie holds no port or GPU, so only members in another state count.
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+async def _group_gone(pgid: int, timeout_s: float = 5.0) -> None:
+    """Wait (bounded) until SIGKILL has taken effect on every member of the group:
+    kill() returns before the target is gone, and callers promise nothing is left."""
+    deadline = clock.monotonic() + timeout_s
+    while _group_has_live_members(pgid):
+        if clock.monotonic() >= deadline:
+            log.error("process group %d still has members %gs after SIGKILL", pgid, timeout_s)
+            return
+        _killpg(pgid, signal.SIGKILL)
+        await asyncio.sleep(0.01)
 
 
 __all__ = [
