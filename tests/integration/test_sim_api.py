@@ -264,3 +264,25 @@ def test_streamed_text_with_a_stop_string_never_shows_the_stop_text(sim: Proc) -
     assert events[-1]["choices"][0]["stop_reason"] == stop
     # vLLM names the response after the X-Request-Id header
     assert {e["id"] for e in events} == {"cmpl-my-id-1"}
+
+
+def test_n_choices_each_sample_their_own_sequence(sim: Proc) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0)
+    done = client.completions.create(
+        model="sim-model", prompt="Many", max_tokens=10, n=3, temperature=1, seed=9
+    )
+    assert sorted(c.index for c in done.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(done.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3
+    assert done.usage is not None and done.usage.completion_tokens == sum(
+        len(post(sim.url + "/tokenize", {"prompt": t})[1]["tokens"]) for t in texts
+    )
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model="sim-model", prompt="Many", max_tokens=10, n=3, temperature=1, seed=9, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == texts

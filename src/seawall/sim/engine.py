@@ -54,6 +54,7 @@ class Stream:
         "first_token_s",
         "last_token_s",
         "max_tokens",
+        "params_n",
         "pending",
         "request",
         "stop",
@@ -75,6 +76,8 @@ class Stream:
         self.request = request
         # a non-streaming handler is woken only at the end, not once per token
         self.streaming = streaming
+        # the `n` of the request, on its first sequence only: vLLM observes it once
+        self.params_n: int | None = 1
         self.arrival_s = arrival_s
         self.max_tokens = request.max_tokens
         self.stop = stop
@@ -230,6 +233,7 @@ class Engine:
         arrival_s: float,
         stop: tuple[str, ...] = (),
         streaming: bool = True,
+        params_n: int | None = 1,
     ) -> Stream:
         """Queue a request; raises the ApiError a client gets when the engine refuses it."""
         if self.dead:
@@ -245,6 +249,7 @@ class Engine:
                 fail_after = errors.after_tokens
         self._check_queue_limits(request)
         stream = Stream(request, arrival_s, stop, fail_after, streaming)
+        stream.params_n = params_n
         if not self.accepting:
             # vLLM's _reject_add_in_shutdown: the request ends at once, as aborted
             stream.finish = FinishReason.ABORT
@@ -443,7 +448,8 @@ class Engine:
         m.request_prompt_tokens.observe(len(request.prompt_ids))
         m.request_generation_tokens.observe(request.num_output)
         m.request_max_num_generation_tokens.observe(stream.max_tokens)
-        m.request_params_n.observe(1)
+        if stream.params_n is not None:
+            m.request_params_n.observe(stream.params_n)
         m.request_params_max_tokens.observe(stream.max_tokens)
         m.request_num_preemptions.observe(request.num_preemptions)
         m.request_prefill_kv_computed_tokens.observe(len(request.prompt_ids))

@@ -107,7 +107,7 @@ class _Parsed:
     requested_max_tokens: int | None
     stream: bool
     include_usage: bool
-    key: int
+    keys: list[int]  # one per choice (n)
     ignore_eos: bool
     stop: tuple[str, ...]
 
@@ -368,9 +368,10 @@ class SimServer:
         default_max_tokens: int | None,
     ) -> _Parsed:
         limit = self.config.max_model_len
-        n = body.get("n", 1)
-        if n not in (None, 1):
-            raise bad_request("seawall sim supports n=1 only", param="n")
+        n = body.get("n")
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise bad_request(f"n must be at least 1, got {n}.", param="n")
         prompt_len = len(prompt_ids)
         if prompt_len > limit:
             raise _validation(
@@ -433,7 +434,13 @@ class SimServer:
             requested_max_tokens=requested,
             stream=bool(body.get("stream", False)),
             include_usage=include_usage,
-            key=textgen.sampling_key(self.config.seed, float(temperature), seed),
+            # each choice samples with its own seed (seed + i), as vLLM's ParentRequest does
+            keys=[
+                textgen.sampling_key(
+                    self.config.seed, float(temperature), None if seed is None else seed + i
+                )
+                for i in range(n)
+            ],
             ignore_eos=bool(body.get("ignore_eos", False)),
             stop=stop,
         )
@@ -492,24 +499,36 @@ class SimServer:
         arrival_s: float,
         chat: bool,
     ) -> web.StreamResponse:
-        sim_request = SimRequest(
-            # the engine's own id: a client may reuse X-Request-Id, the scheduler may not
-            request_id=self.engine.new_request_id("req"),
-            prompt_ids=parsed.prompt_ids,
-            max_tokens=parsed.max_tokens,
-            key=parsed.key,
-            ignore_eos=parsed.ignore_eos,
-        )
-        stream = self.engine.submit(sim_request, arrival_s, parsed.stop, streaming=parsed.stream)
+        # n > 1 fans out into one sequence per choice, as vLLM's ParentRequest does
+        streams: list[Stream] = []
         self.in_flight += 1
         try:
+            for key in parsed.keys:
+                sim_request = SimRequest(
+                    # the engine's own id: a client may reuse X-Request-Id, the engine may not
+                    request_id=self.engine.new_request_id("req"),
+                    prompt_ids=parsed.prompt_ids,
+                    max_tokens=parsed.max_tokens,
+                    key=key,
+                    ignore_eos=parsed.ignore_eos,
+                )
+                streams.append(
+                    self.engine.submit(
+                        sim_request,
+                        arrival_s,
+                        parsed.stop,
+                        streaming=parsed.stream,
+                        params_n=len(parsed.keys) if not streams else None,
+                    )
+                )
             if parsed.stream:
-                return await self._stream(request, stream, parsed, request_id, chat)
-            return await self._complete(stream, request_id, chat)
+                return await self._stream(request, streams, parsed, request_id, chat)
+            return await self._complete(streams, request_id, chat)
         finally:
             self.in_flight -= 1
             # a cancelled handler (client gone) or a failed write lands here unfinished
-            self.engine.abort(stream)
+            for stream in streams:
+                self.engine.abort(stream)
 
     # ------------------------------------------------------------------ bodies
 
@@ -521,19 +540,63 @@ class SimServer:
         reason = stream.finish.value if stream.finish is not None else None
         return text, reason
 
-    async def _complete(self, stream: Stream, request_id: str, chat: bool) -> web.Response:
-        while not stream.done:
-            await stream.next_tokens()
-        if stream.error is not None:
-            return _error_response(stream.error)
-        text, reason = self._output(stream)
-        usage = {
-            "prompt_tokens": stream.num_prompt_tokens,
-            "total_tokens": stream.num_prompt_tokens + stream.num_output_tokens,
-            "completion_tokens": stream.num_output_tokens,
-            "prompt_tokens_details": None,
+    @staticmethod
+    def _usage(streams: list[Stream]) -> dict[str, int]:
+        prompt = streams[0].num_prompt_tokens
+        completion = sum(s.num_output_tokens for s in streams)
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
         }
+
+    async def _complete(self, streams: list[Stream], request_id: str, chat: bool) -> web.Response:
+        for stream in streams:
+            while not stream.done:
+                await stream.next_tokens()
+            if stream.error is not None:
+                return _error_response(stream.error)
+        usage: dict[str, Any] = {**self._usage(streams), "prompt_tokens_details": None}
         created = int(clock.wall())
+        choices: list[dict[str, Any]] = []
+        for index, stream in enumerate(streams):
+            text, reason = self._output(stream)
+            if chat:
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": stream.stop_reason,
+                        "token_ids": None,
+                        "routed_experts": None,
+                        "weight_versions": None,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": stream.stop_reason,
+                        "token_ids": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": None,
+                        "routed_experts": None,
+                        "weight_versions": None,
+                    }
+                )
         if chat:
             return _json(
                 {
@@ -541,26 +604,7 @@ class SimServer:
                     "object": "chat.completion",
                     "created": created,
                     "model": self.config.model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {
-                                "role": "assistant",
-                                "content": text,
-                                "refusal": None,
-                                "annotations": None,
-                                "audio": None,
-                                "function_call": None,
-                                "reasoning": None,
-                            },
-                            "logprobs": None,
-                            "finish_reason": reason,
-                            "stop_reason": stream.stop_reason,
-                            "token_ids": None,
-                            "routed_experts": None,
-                            "weight_versions": None,
-                        }
-                    ],
+                    "choices": choices,
                     "service_tier": None,
                     "system_fingerprint": None,
                     "usage": {**usage, "completion_tokens_details": None},
@@ -578,20 +622,7 @@ class SimServer:
                 "object": "text_completion",
                 "created": created,
                 "model": self.config.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "stop_reason": stream.stop_reason,
-                        "token_ids": None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": None,
-                        "routed_experts": None,
-                        "weight_versions": None,
-                    }
-                ],
+                "choices": choices,
                 "service_tier": None,
                 "system_fingerprint": None,
                 "usage": usage,
@@ -610,18 +641,54 @@ class SimServer:
     async def _stream(
         self,
         request: web.Request,
-        stream: Stream,
+        streams: list[Stream],
         parsed: _Parsed,
         request_id: str,
         chat: bool,
     ) -> web.StreamResponse:
-        model_json = orjson.dumps(self.config.model)
-        created = str(int(clock.wall())).encode()
-        head = (
+        prefix = (
             b'data: {"id":' + orjson.dumps(request_id) + b',"object":"'
             + (b"chat.completion.chunk" if chat else b"text_completion")
-            + b'","created":' + created + b',"model":' + model_json + b',"choices":[{"index":0,'
+            + b'","created":' + str(int(clock.wall())).encode()
+            + b',"model":' + orjson.dumps(self.config.model) + b","
         )  # fmt: skip
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(request)
+        if len(streams) == 1:
+            error = await self._pump(response, streams[0], 0, prefix, parsed, chat)
+        else:
+            pumps = [
+                asyncio.ensure_future(self._pump(response, s, i, prefix, parsed, chat))
+                for i, s in enumerate(streams)
+            ]
+            try:
+                errors = await asyncio.gather(*pumps)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            await response.write(_sse_error(error))
+            return response
+        tail = b""
+        if parsed.include_usage:
+            tail = prefix + b'"choices":[],"usage":' + orjson.dumps(self._usage(streams)) + b"}\n\n"
+        await response.write(tail + _DONE)
+        await response.write_eof()
+        return response
+
+    async def _pump(
+        self,
+        response: web.StreamResponse,
+        stream: Stream,
+        index: int,
+        prefix: bytes,
+        parsed: _Parsed,
+        chat: bool,
+    ) -> ApiError | None:
+        """Write one choice's chunks up to and including its final chunk; the error that
+        ended it, if one did (the caller writes the error event)."""
+        head = prefix + b'"choices":[{"index":' + str(index).encode() + b","
         if chat:
             open_text = b'"delta":{"content":'
             mid_text = b'},"logprobs":null,"finish_reason":'
@@ -641,9 +708,6 @@ class SimServer:
                 b',"stop_reason":%s,"prompt_token_ids":null,"token_ids":null,'
                 b'"weight_versions":null}],"kv_transfer_params":null}\n\n'
             )
-
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await response.prepare(request)
         # vLLM sends the role chunk with the first engine output, not before: a client
         # timing its first chunk measures the real time to first token
         role_chunk = (
@@ -665,8 +729,9 @@ class SimServer:
                 if tokens and not slow_path:
                     piece = self._join_tokens(tokens, text_json)
                     out += head + open_text + piece + mid_text + b"null" + tail_open
-                await response.write(out + _sse_error(stream.error))
-                return response
+                if out:
+                    await response.write(out)
+                return stream.error
             if slow_path:
                 text = stream.text
                 if stream.stop_text_len is not None:
@@ -691,19 +756,8 @@ class SimServer:
                 head + open_text + piece + mid_text + b'"' + finish.value.encode() + b'"'
                 + tail_final % stop_reason
             )  # fmt: skip
-            if parsed.include_usage:
-                usage = {
-                    "prompt_tokens": stream.num_prompt_tokens,
-                    "total_tokens": stream.num_prompt_tokens + stream.num_output_tokens,
-                    "completion_tokens": stream.num_output_tokens,
-                }
-                out += (
-                    head[: head.index(b'"choices"')] + b'"choices":[],"usage":'
-                    + orjson.dumps(usage) + b"}\n\n"
-                )  # fmt: skip
-            await response.write(out + _DONE)
-            await response.write_eof()
-            return response
+            await response.write(out)
+            return None
 
     @staticmethod
     def _join_tokens(tokens: list[int], text_json: Callable[[int], bytes]) -> bytes:
