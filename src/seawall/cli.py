@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "seawall.gateway.engine_args",
         "print the vLLM flags that back the gateway's limits up inside the engine",
     ),
+    "status": ("seawall.gateway.status_cli", "print a running gateway's fleet as a table"),
     "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
     "keys": ("seawall.keys_cli", "mint a tenant's API key (printed once; only its hash is kept)"),
     "alerts": (

@@ -119,6 +119,15 @@ class GatewayConfig(_Strict):
     seed: int | None = None  # for the balancer's random choices; None = from the OS
 
     @model_validator(mode="after")
+    def _admin_needs_a_credential(self) -> GatewayConfig:
+        if self.admin.enabled and not self.admin.token_hash:
+            raise ValueError(
+                "admin.enabled needs admin.token_hash (the admin API has its own credential; "
+                "make one with `seawall keys new --tenant admin`)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
         ids = [r.id for r in self.replicas if r.id]
         dupes = {i for i in ids if ids.count(i) > 1}

@@ -26,6 +26,7 @@ from seawall.errors import ApiError
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
+from seawall.gateway.admin import Admin
 from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.metrics import Metrics
 from seawall.gateway.proxy import Proxy, RequestCtx
@@ -96,6 +97,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
+        self.recent_ttft_s: list[float] = []  # drained by the admin sampler
+        self.admin: Admin | None = Admin(self) if config.admin.enabled else None
         self.monitor = self._build_monitor(actuator)
         self.set_snapshot_source(self.monitor.snapshot)
         if install:
@@ -112,13 +115,12 @@ class Gateway:
 
     def _build_monitor(self, actuator: Actuator | None) -> FleetMonitor:
         fleet = load_fleet_config(self.config)
-        if actuator is None:
-            # The Kubernetes actuator needs I/O to load its credentials: start() sets it.
-            if fleet.actuator == "local":
-                raise ConfigError(
-                    "fleet.actuator: 'local' restarts processes Seawall started itself; "
-                    "use it through `seawall up`, or choose 'none' or 'kubernetes'"
-                )
+        # The Kubernetes actuator needs I/O to load its credentials: start() sets it.
+        if actuator is None and fleet.actuator == "local":
+            raise ConfigError(
+                "fleet.actuator: 'local' restarts processes Seawall started itself; "
+                "use it through `seawall up`, or choose 'none' or 'kubernetes'"
+            )
         return FleetMonitor(
             fleet,
             [_spec(r) for r in self.replicas.all()],
@@ -254,6 +256,8 @@ class Gateway:
         await site.start()
         server: Any = site._server
         self.port = int(server.sockets[0].getsockname()[1])
+        if self.admin is not None:
+            await self.admin.start()
         return self.port
 
     async def _discover_loop(self) -> None:
@@ -302,6 +306,8 @@ class Gateway:
                 await task
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.admin is not None:
+            await self.admin.close()
         await self.monitor.stop()
         await self.monitor.actuator.close()
         if self.guard is not None:

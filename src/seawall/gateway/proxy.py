@@ -366,9 +366,11 @@ class Proxy:
     def _attempt_ok(self, replica: Replica, ctx: RequestCtx, opened: Opened) -> None:
         gw = self.gw
         gw.metrics.upstream_attempts.labels(replica.id, "ok").inc()
-        ttft = opened.first_token_at - opened.opened_at
-        replica.observe_ttft(ttft)
-        gw.metrics.ttft.labels(ctx.model).observe(opened.first_token_at - ctx.started)
+        replica.observe_ttft(opened.first_token_at - opened.opened_at)
+        ttft = opened.first_token_at - ctx.started
+        gw.metrics.ttft.labels(ctx.model).observe(ttft)
+        if gw.admin is not None and len(gw.recent_ttft_s) < 10_000:
+            gw.recent_ttft_s.append(ttft)
 
     def _release(self, replica: Replica, opened: Opened) -> None:
         opened.close()

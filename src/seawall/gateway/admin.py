@@ -1,0 +1,243 @@
+"""The admin API: the fleet's state with the why, and the operator's levers.
+
+Listens on its own port with its own credential (a bearer token whose SHA-256 hash is
+`admin.token_hash` in the configuration), so that exposing the OpenAI API never exposes
+the levers. Routes:
+
+    GET  /admin/state                      replicas, nodes, budget, limits, timeouts, ...
+    GET  /admin/history                    the last minutes of budget, shed rate, TTFT
+    POST /admin/replicas/{id}/drain        stop new work (?restart=1: then restart it)
+    POST /admin/replicas/{id}/undrain
+    POST /admin/nodes/{node}/cordon
+    POST /admin/nodes/{node}/uncordon
+    GET  /status                           the status page (static; it asks for the token)
+
+Must not: sit on the request path. It reads the monitor's `describe()` and the gateway's
+counters; the history sampler runs every `SAMPLE_S` off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from seawall import clock
+from seawall.auth import hash_key
+from seawall.errors import ApiError
+
+if TYPE_CHECKING:
+    from seawall.gateway.app import Gateway
+
+SAMPLE_S = 2.0
+HISTORY_POINTS = 300  # ten minutes at one point per two seconds
+STATIC = Path(__file__).resolve().parent.parent / "ops" / "static"
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _err(e: ApiError) -> web.Response:
+    return web.Response(
+        body=e.json_bytes(), status=e.status, content_type="application/json", headers=e.headers
+    )
+
+
+class Admin:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.history: deque[dict[str, float | None]] = deque(maxlen=HISTORY_POINTS)
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self.port: int | None = None
+        token_hash = gw.config.admin.token_hash
+        self._token_hash = token_hash.encode() if token_hash else None
+
+    # -- auth ---------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or self._token_hash is None:
+            return False
+        return hmac.compare_digest(hash_key(header[7:].strip()).encode(), self._token_hash)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/admin/") and not self._authorized(request):
+            return _err(
+                ApiError(
+                    401, "The admin API needs its own bearer token.", code="admin_unauthorized"
+                )
+            )
+        result: web.StreamResponse = await handler(request)
+        return result
+
+    # -- views --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        gw = self.gw
+        now = clock.monotonic()
+        described = gw.monitor.describe()
+        replicas = []
+        for item in described["replicas"]:
+            r = gw.replicas.get(item["id"])
+            if r is not None:
+                item["inflight"] = r.inflight
+                item["draining"] = r.draining
+                item["gateway"] = {
+                    "ttft_ewma_s": r.ttft_ewma_s,
+                    "itl_ewma_s": r.itl_ewma_s,
+                    "error_ewma": r.error_ewma,
+                    "ejected": r.ejected_until > now,
+                    "backoff": r.backoff_until > now,
+                }
+                view = gw.replicas.view(r, gw.replicas.snapshot())
+                reason = gw.replicas.saturation(r, view, now)
+                item["saturated"] = reason is not None
+                item["saturation_reason"] = reason
+            item["cordoned"] = any(
+                n["cordoned"] for n in described["nodes"] if n["node"] == item["node"]
+            )
+            replicas.append(item)
+        guard = gw.guard
+        tenancy: dict[str, Any] = {}
+        if guard is not None:
+            from seawall.gateway.tenancy import TenancyGuard
+
+            if isinstance(guard, TenancyGuard):
+                tenancy = {
+                    "backend": guard.rate.backend,
+                    "fail_mode": guard.rate.fail_mode,
+                    "degraded": guard.backend.degraded,
+                    "tenants": len(guard.tenants),
+                    "open": guard.keys is None,
+                    "admission": guard.admission.enabled,
+                    "queued": dict(guard.queued),
+                }
+                migrate_tiers = sorted(n for n, t in guard.tiers.items() if t.migrate)
+        else:
+            migrate_tiers = []
+        cfg = gw.config
+        nodes = [
+            {**n, "restarts_in_window": len(n.get("restarts", []))} for n in described["nodes"]
+        ]
+        return {
+            "replicas": replicas,
+            "nodes": nodes,
+            "transitions": described["transitions"],
+            "retry_budget": {"level": gw.budget.level(now), "ratio": cfg.retry.budget_ratio},
+            "draining": gw.draining,
+            "inflight": gw.inflight,
+            "limits": tenancy,
+            "hedging": {"enabled": gw.hedge_enabled, "delay_s": cfg.hedging.delay_s},
+            "migration": {"tiers": migrate_tiers},
+            "timeouts": cfg.timeouts.model_dump(),
+            "actuator": gw.monitor.actuator.name,
+            "models": gw.replicas.models(),
+        }
+
+    async def _sample_loop(self) -> None:
+        m = self.gw.metrics
+        last_shed = _counter_total(m.shed)
+        last_req = _counter_total(m.requests)
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            now = clock.monotonic()
+            shed, req = _counter_total(m.shed), _counter_total(m.requests)
+            ttfts = self.gw.recent_ttft_s
+            self.history.append(
+                {
+                    "t": clock.wall(),
+                    "retry_budget": self.gw.budget.level(now),
+                    "shed_per_s": (shed - last_shed) / SAMPLE_S,
+                    "requests_per_s": (req - last_req) / SAMPLE_S,
+                    "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+                    "inflight": float(self.gw.inflight),
+                }
+            )
+            ttfts.clear()
+            last_shed, last_req = shed, req
+
+    # -- routes -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/admin/state", self._get_state)
+        app.router.add_get("/admin/history", self._get_history)
+        app.router.add_post("/admin/replicas/{id}/{action:drain|undrain}", self._replica_action)
+        app.router.add_post("/admin/nodes/{node}/{action:cordon|uncordon}", self._node_action)
+        app.router.add_get("/status", self._status_page)
+        app.router.add_get("/", self._status_page)
+        return app
+
+    async def _get_state(self, request: web.Request) -> web.Response:
+        return _json(self.state())
+
+    async def _get_history(self, request: web.Request) -> web.Response:
+        return _json({"sample_s": SAMPLE_S, "points": list(self.history)})
+
+    async def _replica_action(self, request: web.Request) -> web.Response:
+        rid, action = request.match_info["id"], request.match_info["action"]
+        replica = self.gw.replicas.get(rid)
+        if replica is None:
+            return _err(ApiError(404, f"No replica {rid!r}.", param="id"))
+        if action == "drain":
+            restart = request.query.get("restart") in ("1", "true")
+            replica.draining = not restart
+            self.gw.monitor.drain(rid, restart=restart)
+        else:
+            replica.draining = False
+            self.gw.monitor.undrain(rid)
+        return _json({"replica": rid, "action": action, "ok": True})
+
+    async def _node_action(self, request: web.Request) -> web.Response:
+        node, action = request.match_info["node"], request.match_info["action"]
+        if action == "cordon":
+            await self.gw.monitor.cordon(node, reason="operator")
+        else:
+            await self.gw.monitor.uncordon(node)
+        return _json({"node": node, "action": action, "ok": True})
+
+    async def _status_page(self, request: web.Request) -> web.StreamResponse:
+        page = STATIC / "status.html"
+        if not page.exists():
+            return _err(ApiError(404, "The status page is not installed."))
+        return web.FileResponse(page, headers={"Cache-Control": "no-cache"})
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> int:
+        cfg = self.gw.config.admin
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await site.start()
+        server: Any = site._server
+        self.port = int(server.sockets[0].getsockname()[1])
+        self._sampler = asyncio.create_task(self._sample_loop())
+        return self.port
+
+    async def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _counter_total(counter: Any) -> float:
+    total = 0.0
+    for metric in counter.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                total += s.value
+    return total
