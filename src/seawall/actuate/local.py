@@ -28,12 +28,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
 from seawall import clock
-from seawall.actuate.base import Evidence, ReplicaRef
+from seawall.actuate.base import Actuator, Evidence, ReplicaRef
 
 log = logging.getLogger(__name__)
 
@@ -608,6 +608,12 @@ class LocalSupervisor:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+if TYPE_CHECKING:  # mypy proves the supervisor is an Actuator the monitor can take
+
+    def _is_an_actuator(supervisor: LocalSupervisor) -> Actuator:
+        return supervisor
 
 
 def _die_with_parent() -> None:

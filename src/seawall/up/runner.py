@@ -31,6 +31,8 @@ from seawall.up.traffic import Traffic, crash_replica
 from seawall.up.view import UpSnapshot, duration, plain_line, render, summary
 
 TICK_S = 1.0
+# SIGHUP too: closing the terminal should stop the fleet as cleanly as Ctrl-C does.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Output:
@@ -173,7 +175,7 @@ class Session:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.stop.set)
         self.fleet.subscribe(self._on_event)
         print(f"seawall up: logs in {self.log_dir}", flush=True)
@@ -203,7 +205,7 @@ class Session:
                 code = 1
         finally:
             code = await self._shutdown(code)
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
         return code
 
