@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.support.golden import GOLDEN_SCRAPE
 from tests.support.procs import free_port, seawall_argv
 
 pytestmark = pytest.mark.integration
 
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt").read_text()
+GOLDEN = GOLDEN_SCRAPE.read_text()
 # An engine that predates the rename exports the old name and not the new one.
 LEGACY = GOLDEN.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 

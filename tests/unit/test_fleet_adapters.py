@@ -6,23 +6,16 @@ the others are small fixtures using the names listed in the engines reference (Â
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seawall.fleet.adapters import ADAPTER_METRICS, EngineKind, adapter_for, detect_engine
 from seawall.fleet.view import EngineLoad
-
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
-REPO_GOLDEN = Path(__file__).resolve().parents[1] / "data" / "vllm-0.33.0-metrics.txt"
+from tests.support.golden import GOLDEN_SCRAPE
 
 
 def golden_text() -> str:
-    for path in (REPO_GOLDEN, GOLDEN):
-        if path.exists():
-            return path.read_text()
-    pytest.skip("golden vLLM scrape not available")
+    return GOLDEN_SCRAPE.read_text()
 
 
 def test_vllm_golden_scrape_reads_the_engine_load() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
@@ -14,9 +12,10 @@ from seawall.ops.alerts_cli import _command_line
 from seawall.ops.drift import find_drift
 from seawall.ops.engines import ENGINE_NAMES, ENGINES, previous_name_of, rename_of
 from seawall.ops.promql import exposed_sample_names, metric_names
+from tests.support.golden import GOLDEN_SCRAPE
 from tests.support.procs import REPO
 
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
+GOLDEN = GOLDEN_SCRAPE
 COMMITTED = REPO / "deploy" / "prometheus" / "seawall-rules.yml"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +13,10 @@ from prometheus_client import generate_latest
 from seawall.gateway.metrics import Metrics
 from seawall.ops import dashboard
 from seawall.ops.promql import exposed_sample_names, metric_names
+from tests.support.golden import GOLDEN_SCRAPE
 from tests.support.procs import REPO
 
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
+GOLDEN = GOLDEN_SCRAPE
 COMMITTED = REPO / "deploy" / "grafana" / "seawall-dashboard.json"
 
 

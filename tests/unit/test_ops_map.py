@@ -3,7 +3,6 @@ live summaries read the admin state document, tolerating missing keys."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -11,8 +10,9 @@ from prometheus_client import generate_latest
 from seawall.gateway.metrics import Metrics
 from seawall.ops.domains import DOMAINS, live_states
 from seawall.ops.promql import exposed_sample_names, metric_names
+from tests.support.golden import GOLDEN_SCRAPE
 
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
+GOLDEN = GOLDEN_SCRAPE
 
 STATE: dict[str, Any] = {
     "replicas": [
