@@ -141,6 +141,7 @@ class Admin:
             "migration": {"tiers": migrate_tiers},
             "timeouts": cfg.timeouts.model_dump(),
             "actuator": gw.monitor.actuator.name,
+            "api_url": f"http://{cfg.listen.host}:{gw.port}",
             "models": gw.replicas.models(),
         }
 
