@@ -286,3 +286,26 @@ def test_n_choices_each_sample_their_own_sequence(sim: Proc) -> None:
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert [streamed[i] for i in range(3)] == texts
+
+
+def test_orca_load_report_header_on_request(sim: Proc) -> None:
+    for stream in (False, True):
+        req = urllib.request.Request(
+            sim.url + "/v1/completions",
+            data=json.dumps({"prompt": "x", "max_tokens": 2, "stream": stream}).encode(),
+            headers={"Content-Type": "application/json", "endpoint-load-metrics-format": "TEXT"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            header = r.headers["endpoint-load-metrics"]
+            r.read()
+        assert header.startswith("TEXT named_metrics.kv_cache_usage_perc=")
+        assert "named_metrics.num_requests_waiting=" in header
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            sim.url + "/v1/completions",
+            data=json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"},
+        ),
+        timeout=30,
+    ) as r:
+        assert "endpoint-load-metrics" not in r.headers

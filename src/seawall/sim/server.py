@@ -521,14 +521,28 @@ class SimServer:
                         params_n=len(parsed.keys) if not streams else None,
                     )
                 )
+            orca = self._orca_header(request)
             if parsed.stream:
-                return await self._stream(request, streams, parsed, request_id, chat)
-            return await self._complete(streams, request_id, chat)
+                return await self._stream(request, streams, parsed, request_id, chat, orca)
+            response = await self._complete(streams, request_id, chat)
+            if orca is not None:
+                response.headers["endpoint-load-metrics"] = self._orca_header(request) or ""
+            return response
         finally:
             self.in_flight -= 1
             # a cancelled handler (client gone) or a failed write lands here unfinished
             for stream in streams:
                 self.engine.abort(stream)
+
+    def _orca_header(self, request: web.Request) -> str | None:
+        """vLLM's ORCA load report (`serve/utils/orca_metrics.py`), TEXT format only."""
+        if request.headers.get("endpoint-load-metrics-format", "").upper() != "TEXT":
+            return None
+        s = self.scheduler
+        return (
+            f"TEXT named_metrics.kv_cache_usage_perc={s.kv_usage()}, "
+            f"named_metrics.num_requests_waiting={float(len(s.waiting))}"
+        )
 
     # ------------------------------------------------------------------ bodies
 
@@ -645,6 +659,7 @@ class SimServer:
         parsed: _Parsed,
         request_id: str,
         chat: bool,
+        orca: str | None = None,
     ) -> web.StreamResponse:
         prefix = (
             b'data: {"id":' + orjson.dumps(request_id) + b',"object":"'
@@ -652,7 +667,8 @@ class SimServer:
             + b'","created":' + str(int(clock.wall())).encode()
             + b',"model":' + orjson.dumps(self.config.model) + b","
         )  # fmt: skip
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        headers = SSE_HEADERS if orca is None else {**SSE_HEADERS, "endpoint-load-metrics": orca}
+        response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         if len(streams) == 1:
             error = await self._pump(response, streams[0], 0, prefix, parsed, chat)
