@@ -309,3 +309,16 @@ def test_orca_load_report_header_on_request(sim: Proc) -> None:
         timeout=30,
     ) as r:
         assert "endpoint-load-metrics" not in r.headers
+
+
+def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt(sim: Proc) -> None:
+    url = sim.url + "/v1/completions"
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = [post(url, {"prompt": p, **common})[1]["choices"][0]["text"] for p in ("A b", "C d")]
+    status, body = post(url, {"prompt": ["A b", "C d"], "n": 2, **common})
+    assert status == 200
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert texts == [alone[0], alone[0], alone[1], alone[1]]  # greedy: n copies agree
+    counts = [post(sim.url + "/tokenize", {"prompt": p})[1]["count"] for p in ("A b", "C d")]
+    assert body["usage"]["prompt_tokens"] == sum(counts)
+    assert body["usage"]["completion_tokens"] == 4 * 6

@@ -102,8 +102,8 @@ def _validation(message: str, param: str, value: object) -> ApiError:
 
 @dataclass(slots=True)
 class _Parsed:
-    prompt_ids: list[int]
-    max_tokens: int
+    # (prompt ids, clamped max_tokens) per prompt: completions accept a batch
+    prompts: list[tuple[list[int], int]]
     requested_max_tokens: int | None
     stream: bool
     include_usage: bool
@@ -363,7 +363,7 @@ class SimServer:
     def _parse_common(
         self,
         body: dict[str, Any],
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens_field: str,
         default_max_tokens: int | None,
     ) -> _Parsed:
@@ -372,15 +372,16 @@ class SimServer:
         n = 1 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise bad_request(f"n must be at least 1, got {n}.", param="n")
-        prompt_len = len(prompt_ids)
-        if prompt_len > limit:
-            raise _validation(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {prompt_len} input tokens, which exceeds this limit even without any "
-                "output tokens. Please reduce the length of the input prompt.",
-                "input_tokens",
-                prompt_len,
-            )
+        for prompt_ids in prompts:
+            prompt_len = len(prompt_ids)
+            if prompt_len > limit:
+                raise _validation(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"prompt contains {prompt_len} input tokens, which exceeds this limit even "
+                    "without any output tokens. Please reduce the length of the input prompt.",
+                    "input_tokens",
+                    prompt_len,
+                )
         requested = body.get(max_tokens_field)
         if requested is None and max_tokens_field == "max_completion_tokens":
             requested = body.get("max_tokens")
@@ -398,10 +399,13 @@ class SimServer:
                     requested,
                 )
         # vLLM's get_max_tokens: clamp silently to what the context leaves
-        room = limit - prompt_len
-        max_tokens = room if requested is None else min(requested, room)
-        if max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        clamped: list[tuple[list[int], int]] = []
+        for prompt_ids in prompts:
+            room = limit - len(prompt_ids)
+            max_tokens = room if requested is None else min(requested, room)
+            if max_tokens < 1:
+                raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            clamped.append((prompt_ids, max_tokens))
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
         if isinstance(temperature, bool) or not isinstance(temperature, int | float):
@@ -429,8 +433,7 @@ class SimServer:
             isinstance(stream_options, dict) and stream_options.get("include_usage")
         )
         return _Parsed(
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
+            prompts=clamped,
             requested_max_tokens=requested,
             stream=bool(body.get("stream", False)),
             include_usage=include_usage,
@@ -445,22 +448,31 @@ class SimServer:
             stop=stop,
         )
 
-    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
+    def _completion_prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        """A string, token ids, or a batch of either (one choice group per prompt)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return textgen.tokenize(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            self._check_ids(prompt)
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise bad_request("seawall sim supports one prompt per request", param="prompt")
-        raise bad_request("'prompt' must be a string or a list of token ids", param="prompt")
+            return [textgen.tokenize(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [self._checked_ids(prompt)]
+            if all(isinstance(p, str) for p in prompt):
+                return [textgen.tokenize(p) for p in prompt]
+            if all(
+                isinstance(p, list)
+                and p
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                for p in prompt
+            ):
+                return [self._checked_ids(p) for p in prompt]
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, or a list of either",
+            param="prompt",
+        )
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        self._check_ids(ids)
+        return list(ids)
 
     # ------------------------------------------------------------------ generation routes
 
@@ -468,7 +480,7 @@ class SimServer:
         arrival_s = clock.monotonic()
         body = await self._body(request)
         self._check_model(body)
-        parsed = self._parse_common(body, self._completion_prompt(body), "max_tokens", 16)
+        parsed = self._parse_common(body, self._completion_prompts(body), "max_tokens", 16)
         request_id = "cmpl-" + self._base_request_id(request, body)
         return await self._generate(request, parsed, request_id, arrival_s, chat=False)
 
@@ -477,7 +489,7 @@ class SimServer:
         body = await self._body(request)
         self._check_model(body)
         prompt_ids = textgen.tokenize(self._render_chat(body))
-        parsed = self._parse_common(body, prompt_ids, "max_completion_tokens", None)
+        parsed = self._parse_common(body, [prompt_ids], "max_completion_tokens", None)
         request_id = "chatcmpl-" + self._base_request_id(request, body)
         return await self._generate(request, parsed, request_id, arrival_s, chat=True)
 
@@ -503,24 +515,26 @@ class SimServer:
         streams: list[Stream] = []
         self.in_flight += 1
         try:
-            for key in parsed.keys:
-                sim_request = SimRequest(
-                    # the engine's own id: a client may reuse X-Request-Id, the engine may not
-                    request_id=self.engine.new_request_id("req"),
-                    prompt_ids=parsed.prompt_ids,
-                    max_tokens=parsed.max_tokens,
-                    key=key,
-                    ignore_eos=parsed.ignore_eos,
-                )
-                streams.append(
-                    self.engine.submit(
-                        sim_request,
-                        arrival_s,
-                        parsed.stop,
-                        streaming=parsed.stream,
-                        params_n=len(parsed.keys) if not streams else None,
+            # choice index = prompt index * n + i, as vLLM numbers a batch
+            for prompt_ids, max_tokens in parsed.prompts:
+                for i, key in enumerate(parsed.keys):
+                    sim_request = SimRequest(
+                        # the engine's own id: clients may reuse X-Request-Id, engines may not
+                        request_id=self.engine.new_request_id("req"),
+                        prompt_ids=prompt_ids,
+                        max_tokens=max_tokens,
+                        key=key,
+                        ignore_eos=parsed.ignore_eos,
                     )
-                )
+                    streams.append(
+                        self.engine.submit(
+                            sim_request,
+                            arrival_s,
+                            parsed.stop,
+                            streaming=parsed.stream,
+                            params_n=len(parsed.keys) if i == 0 else None,
+                        )
+                    )
             orca = self._orca_header(request)
             if parsed.stream:
                 return await self._stream(request, streams, parsed, request_id, chat, orca)
@@ -556,7 +570,8 @@ class SimServer:
 
     @staticmethod
     def _usage(streams: list[Stream]) -> dict[str, int]:
-        prompt = streams[0].num_prompt_tokens
+        # a prompt counts once however many choices it has
+        prompt = sum(s.num_prompt_tokens for s in streams if s.params_n is not None)
         completion = sum(s.num_output_tokens for s in streams)
         return {
             "prompt_tokens": prompt,
