@@ -322,3 +322,30 @@ def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt(sim: Proc) -> None:
     counts = [post(sim.url + "/tokenize", {"prompt": p})[1]["count"] for p in ("A b", "C d")]
     assert body["usage"]["prompt_tokens"] == sum(counts)
     assert body["usage"]["completion_tokens"] == 4 * 6
+
+
+def test_continuous_usage_stats_put_running_usage_in_every_chunk(sim: Proc) -> None:
+    req = urllib.request.Request(
+        sim.url + "/v1/completions",
+        data=json.dumps(
+            {
+                "prompt": "x",
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events = [
+            json.loads(line[6:])
+            for line in r.read().decode().split("\n\n")
+            if line.startswith("data: {")
+        ]
+    content = [e for e in events if e["choices"]]
+    assert [e["usage"]["completion_tokens"] for e in content][-1] == 5
+    counts = [e["usage"]["completion_tokens"] for e in content]
+    assert counts == sorted(counts) and counts[0] >= 1
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5

@@ -107,6 +107,7 @@ class _Parsed:
     requested_max_tokens: int | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     keys: list[int]  # one per choice (n)
     ignore_eos: bool
     stop: tuple[str, ...]
@@ -434,6 +435,10 @@ class SimServer:
         )
         return _Parsed(
             prompts=clamped,
+            continuous_usage=include_usage
+            and bool(
+                isinstance(stream_options, dict) and stream_options.get("continuous_usage_stats")
+            ),
             requested_max_tokens=requested,
             stream=bool(body.get("stream", False)),
             include_usage=include_usage,
@@ -749,6 +754,7 @@ class SimServer:
         )
         text_json = self._text_json
         slow_path = bool(parsed.stop)
+        continuous = parsed.continuous_usage
         hold_chars = max((len(x) for x in parsed.stop), default=1) - 1
         sent_chars = 0
         while True:
@@ -780,15 +786,23 @@ class SimServer:
                 if piece != b'""':
                     out += head + open_text + piece + mid_text + b"null" + tail_open
                 if out:
-                    await response.write(out)
+                    await response.write(self._with_usage(out, stream) if continuous else out)
                 continue
             stop_reason = orjson.dumps(stream.stop_reason)
             out += (
                 head + open_text + piece + mid_text + b'"' + finish.value.encode() + b'"'
                 + tail_final % stop_reason
             )  # fmt: skip
-            await response.write(out)
+            await response.write(self._with_usage(out, stream) if continuous else out)
             return None
+
+    def _with_usage(self, chunks: bytes, stream: Stream) -> bytes:
+        """`stream_options.continuous_usage_stats`: usage so far in every content chunk."""
+        usage = self._usage([stream])
+        return chunks.replace(
+            b'}],"kv_transfer_params"',
+            b'}],"usage":' + orjson.dumps(usage) + b',"kv_transfer_params"',
+        )
 
     @staticmethod
     def _join_tokens(tokens: list[int], text_json: Callable[[int], bytes]) -> bytes:
