@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from seawall.actuate.local import DEFAULT_COMMAND
 from tests.support.procs import Proc, seawall_argv, spawn
 
 pytestmark = pytest.mark.integration
@@ -42,10 +45,10 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def assert_nothing_left(proc: Proc, log_dir: Path) -> str:
+def assert_nothing_left(proc: Proc, log_dir: Path, replicas: int = 3) -> str:
     output = proc.log()
     pids = pids_mentioned(output)
-    assert proc.pid not in pids and len(pids) >= 4  # 3 replicas + gateway at least
+    assert proc.pid not in pids and len(pids) >= replicas
     assert [p for p in pids if running(p)] == []
     ports = re.findall(r"url=http://127\.0\.0\.1:(\d+)", output)
     for port in ports:
@@ -69,7 +72,9 @@ def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts:
         proc.stop()
     output = assert_nothing_left(proc, log_dir)
     assert re.search(r"replicas 3/3 running: r0 running pid=\d+ port=\d+", output)
-    assert "gateway running http://127.0.0.1:" in output
+    assert re.search(
+        r"gateway running http://127\.0\.0\.1:\d+ pid \d+ restarts 0 \(in-process\)", output
+    )
     traffic = re.search(r"^  traffic: requests (\d+): ok (\d+), failed (\d+)", output, re.M)
     assert traffic, output[-3000:]
     assert int(traffic.group(2)) > 0 and "tokens/s" in output
@@ -84,6 +89,7 @@ def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
     config.write_text(
         "fleet: {replicas: 3, model: tiny}\n"
         "gateway: {drain: {timeout_s: 5}}\n"
+        "gateway_mode: process\n"
         "traffic: {concurrency: 2, max_tokens: 64}\n"
     )
     proc = spawn(
@@ -101,6 +107,7 @@ def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
     finally:
         proc.stop()
     output = assert_nothing_left(proc, log_dir)
+    assert "gateway running" in output and "(in-process)" not in output
     assert "seawall up: stopping (signal)" in output
     assert "all processes stopped" in output
 
@@ -109,7 +116,7 @@ def test_replicas_do_not_outlive_a_killed_seawall_up(artifacts: Path) -> None:
     """Even SIGKILL, which allows no cleanup, must not leave engines behind."""
     log_dir = artifacts / "fleet"
     config = artifacts / "fleet.yaml"
-    config.write_text("fleet: {replicas: 2, model: tiny}\n")
+    config.write_text("fleet: {replicas: 2, model: tiny}\ngateway_mode: process\n")
     proc = spawn(
         seawall_argv("up", "--config", str(config), "--seconds", "120", "--log-dir", str(log_dir)),
         artifacts / "up.log",
@@ -132,3 +139,38 @@ def test_replicas_do_not_outlive_a_killed_seawall_up(artifacts: Path) -> None:
             break
         time.sleep(0.1)
     assert [p for p in children if running(p)] == []
+
+
+def test_the_in_process_gateway_restarts_a_replica_whose_health_fails(artifacts: Path) -> None:
+    """The gateway's fleet monitor decides (health failing), the local supervisor acts."""
+    log_dir = artifacts / "fleet"
+    config = artifacts / "fleet.yaml"
+    command = '["' + '", "'.join([*DEFAULT_COMMAND, "--enable-faults"]) + '"]'
+    config.write_text(f"fleet: {{replicas: 1, model: tiny, command: {command}}}\n")
+    proc = spawn(
+        seawall_argv("up", "--config", str(config), "--seconds", "60", "--log-dir", str(log_dir)),
+        artifacts / "up.log",
+    )
+    try:
+        for _ in range(300):
+            if "replicas 1/1 running" in proc.log() or not proc.alive():
+                break
+            time.sleep(0.1)
+        match = re.search(r"r0 starting pid=\d+ url=(\S+)", proc.log())
+        assert match and "replicas 1/1 running" in proc.log(), proc.log()[-4000:]
+        # /health answers 503 from now on; the process itself stays up for a minute.
+        body = json.dumps({"kind": "engine_dead", "grace_s": 60}).encode()
+        request = urllib.request.Request(f"{match.group(1)}/sim/fault", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            assert resp.status == 200
+        for _ in range(300):
+            if "r0 (restarts 1)" in proc.log() or re.search(r"r0 .*restarts=1", proc.log()):
+                break
+            time.sleep(0.1)
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    output = assert_nothing_left(proc, log_dir, replicas=1)
+    assert re.search(r"event: r0 starting pid=\d+ url=\S+ \(restarted: health", output), output
+    assert "r0 (restarts 1)" in output

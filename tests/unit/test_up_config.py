@@ -48,7 +48,7 @@ def test_an_unknown_field_is_named_with_the_allowed_ones() -> None:
     msg = error_for({"fleet": {"replica": 2}})
     assert "fleet.replica: unknown field" in msg
     assert "allowed: replicas, model, command, startup_allowance_s" in msg
-    assert "allowed: fleet, gateway, traffic" in error_for({"fleeet": {}})
+    assert "allowed: fleet, gateway, gateway_mode, traffic" in error_for({"fleeet": {}})
     assert "traffic.rate: unknown field; allowed: concurrency" in error_for(
         {"traffic": {"rate": 3}}
     )
@@ -105,3 +105,21 @@ def test_seawall_up_with_a_bad_config_exits_2_naming_the_field(
     assert main(["up", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "fleet.replicas: Input should be a valid integer" in err and "'many'" in err
+
+
+def test_gateway_mode_names_its_allowed_values() -> None:
+    msg = error_for({"gateway_mode": "sidecar"})
+    assert "gateway_mode: Input should be 'in-process' or 'process' (got 'sidecar')" in msg
+
+
+def test_an_actuator_that_cannot_reach_our_processes_is_refused() -> None:
+    kube = parse_up_config({"gateway": {"fleet": {"actuator": "kubernetes"}}})
+    with pytest.raises(
+        UpConfigError, match=r"gateway\.fleet\.actuator: 'kubernetes'.*allowed: none, local"
+    ):
+        check_gateway_config(kube, "fleet.yaml")
+    local_in_child = parse_up_config(
+        {"gateway": {"fleet": {"actuator": "local"}}, "gateway_mode": "process"}
+    )
+    with pytest.raises(UpConfigError, match=r"allowed: none$"):
+        check_gateway_config(local_in_child, "fleet.yaml")

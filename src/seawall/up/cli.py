@@ -11,6 +11,7 @@ live table.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -64,6 +65,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="seawall-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # Our own log (and the in-process gateway's) goes to a file: lines on stderr would
+    # tear the live table.
+    logging.basicConfig(
+        filename=str(log_dir / "seawall-up.log"),
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     live = sys.stdout.isatty() and not args.plain
     return run_session(
         lambda: Session(

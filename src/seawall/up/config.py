@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -76,6 +76,10 @@ class UpConfig(_Strict):
     fleet: FleetConfig = FleetConfig()
     # the `seawall serve` config (opaque here); null = no gateway, traffic goes direct
     gateway: dict[str, Any] | None = Field(default_factory=dict)
+    # in-process: the gateway runs inside `seawall up` and its fleet monitor restarts and
+    # cordons through the local supervisor; process: `seawall serve` as a child process,
+    # whose monitor can only route around (its fleet.actuator must be none)
+    gateway_mode: Literal["in-process", "process"] = "in-process"
     traffic: TrafficConfig | None = None  # null = no traffic of our own
 
 
@@ -132,9 +136,7 @@ def parse_up_config(data: object, source: str = "config") -> UpConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UpConfigError(
-            f"{source}: the top level must be a mapping with fleet, gateway, traffic"
-        )
+        raise UpConfigError(f"{source}: the top level must be a mapping with {_allowed(UpConfig)}")
     try:
         return UpConfig.model_validate(data)
     except ValidationError as e:
@@ -178,6 +180,15 @@ def check_gateway_config(config: UpConfig, source: str) -> None:
         from seawall.config import ConfigError, parse_config
     except ImportError:  # a build without the gateway: `up` runs without one
         return
+    fleet = config.gateway.get("fleet") or {}
+    actuator = fleet.get("actuator") if isinstance(fleet, dict) else None
+    allowed = ("none", "local") if config.gateway_mode == "in-process" else ("none",)
+    if actuator is not None and actuator not in allowed:
+        raise UpConfigError(
+            f"{source}: gateway.fleet.actuator: {actuator!r} cannot act on the processes "
+            f"`seawall up` starts with gateway_mode {config.gateway_mode}; "
+            f"allowed: {', '.join(allowed)}"
+        )
     probe = [{"url": "http://127.0.0.1:1", "model": "m", "node": "local", "id": "seawall-up-probe"}]
     try:
         parse_config(gateway_config(config.gateway, probe, "127.0.0.1", 0), f"{source}: gateway")

@@ -7,21 +7,26 @@ reading the gateway's figures from its `/metrics`.
 
 Must not: draw anything (that is `view.py`) or generate traffic (`seawall.loadgen`).
 
-The gateway runs as its own `seawall serve --config FILE` process, supervised like a
-replica (restarted if it dies). `GatewayProcess` is the seam for running it in-process
-instead: anything with the same `start/close/status/figures/url` will do, wired to
-`LocalFleet.supervisor.subscribe` for routing changes.
+Two ways to run the gateway, one interface (`GatewayRunner`):
+- `InProcessGateway` (default): the gateway in this process, with the `LocalSupervisor`
+  as its fleet monitor's actuator, so the monitor's decisions (restart a hung replica,
+  cordon this machine after K restarts) act on the processes `up` started, and process
+  exits reach the monitor at once instead of at its next probe.
+- `GatewayProcess`: `seawall serve --config FILE` as its own supervised child (restarted
+  if it dies); the monitor there can only route around (`fleet.actuator: none`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 import yaml
+from prometheus_client import generate_latest
 
 from seawall import clock
 from seawall.actuate.local import (
@@ -43,7 +48,7 @@ def gateway_available() -> bool:
     return "serve" in COMMANDS
 
 
-class Gateway(Protocol):
+class GatewayRunner(Protocol):
     url: str
 
     async def start(self, replicas: list[dict[str, str]]) -> None: ...
@@ -86,6 +91,7 @@ class GatewayProcess:
 
     async def start(self, replicas: list[dict[str, str]]) -> None:
         merged = gateway_config(self.base_config, replicas, HOST, self.port)
+        merged["fleet"] = _fleet_section(merged, self.log_dir, actuator="none")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(merged, sort_keys=False))
         await self.supervisor.start_new("gateway", replica_id="gateway", port=self.port)
@@ -100,11 +106,7 @@ class GatewayProcess:
         return self._session
 
     async def ready(self) -> bool:
-        try:
-            async with self._http().get(self.url + "/readyz") as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+        return await _readyz(self._http(), self.url)
 
     async def figures(self) -> GatewayFigures | None:
         try:
@@ -132,6 +134,117 @@ class GatewayProcess:
             self._session = None
 
 
+class InProcessGateway:
+    """The gateway in this process; the fleet monitor acts through `supervisor`."""
+
+    def __init__(
+        self,
+        base_config: dict[str, Any],
+        supervisor: LocalSupervisor,
+        log_dir: Path,
+        port: int | None,
+        startup_allowance_s: float,
+    ) -> None:
+        self.base_config = base_config
+        self.supervisor = supervisor
+        self.log_dir = log_dir
+        listen = base_config.get("listen") or {}
+        self.port = port or int(listen.get("port") or 0) or free_loopback_port(HOST)
+        self.url = f"http://{HOST}:{self.port}"
+        self.startup_allowance_s = startup_allowance_s
+        self.gateway: Any = None  # seawall.gateway.app.Gateway, imported when started
+        self.started_at = 0.0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, replicas: list[dict[str, str]]) -> None:
+        from seawall.config import parse_config
+        from seawall.gateway.app import Gateway
+
+        merged = gateway_config(self.base_config, replicas, HOST, self.port)
+        fleet = _fleet_section(merged, self.log_dir, actuator="local")
+        # One startup allowance: the monitor must not ask for a restart the supervisor
+        # would refuse, nor the reverse.
+        fleet.setdefault("startup_allowance_s", self.startup_allowance_s)
+        merged["fleet"] = fleet
+        config = parse_config(merged, "seawall up: gateway")
+        actuator = self.supervisor if fleet.get("actuator") == "local" else None
+        self.gateway = Gateway(config, access_log=False, actuator=actuator)
+        self.supervisor.subscribe(self._on_replica_event)
+        await self.gateway.start()
+        self.started_at = clock.monotonic()
+
+    def _on_replica_event(self, event: ReplicaEvent) -> None:
+        # The supervisor sees an exit the moment it happens; the monitor would only
+        # notice at its next failed probe.
+        if event.kind == "exited" and self.gateway is not None:
+            self.gateway.monitor.notify_process_exited(event.status.replica_id, event.reason)
+
+    def status(self) -> ReplicaStatus | None:
+        if self.gateway is None:
+            return None
+        return ReplicaStatus(
+            replica_id="gateway",
+            url=self.url,
+            port=self.port,
+            model="",
+            node="local",
+            pid=os.getpid(),
+            state="stopped" if self.gateway.draining else "running",
+            restarts=0,
+            uptime_s=clock.monotonic() - self.started_at,
+            reason="in-process",
+        )
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+        return self._session
+
+    async def ready(self) -> bool:
+        return self.gateway is not None and await _readyz(self._http(), self.url)
+
+    async def figures(self) -> GatewayFigures | None:
+        if self.gateway is None:
+            return None
+        text = generate_latest(self.gateway.metrics.registry).decode()
+        return parse_gateway_metrics(text)
+
+    def pids(self) -> list[int]:
+        return []  # nothing of its own to leave behind
+
+    def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
+        return None  # no process of its own, so no process events
+
+    async def close(self) -> None:
+        """Drain (in-flight requests finish, up to the drain timeout), then close. The
+        gateway closes its actuator too: the supervisor, i.e. the replicas."""
+        try:
+            if self.gateway is not None:
+                await self.gateway.drain()
+                await self.gateway.close()
+        finally:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+
+def _fleet_section(merged: dict[str, Any], log_dir: Path, actuator: str) -> dict[str, Any]:
+    """The gateway's `fleet:` with `up`'s defaults: its restart ledger in the log dir
+    (not the working directory), and the actuator this way of running supports."""
+    fleet = dict(merged.get("fleet") or {})
+    fleet.setdefault("ledger_path", str(log_dir / "ledger.sqlite"))
+    fleet.setdefault("actuator", actuator)
+    return fleet
+
+
+async def _readyz(http: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with http.get(url + "/readyz") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False
+
+
 class LocalFleet:
     """Replicas (and the gateway, when configured and available) for `seawall up`."""
 
@@ -148,14 +261,18 @@ class LocalFleet:
             health_path=f.health_path,
             stop_grace_s=f.stop_grace_s,
         )
-        self.gateway: Gateway | None = None
+        self.gateway: GatewayRunner | None = None
         self.gateway_note = ""
         if config.gateway is None:
             self.gateway_note = "(no gateway: gateway is null in the config)"
         elif not gateway_available():
             self.gateway_note = "(gateway not yet available)"
-        else:
+        elif config.gateway_mode == "process":
             self.gateway = GatewayProcess(config.gateway, log_dir, gateway_port)
+        else:
+            self.gateway = InProcessGateway(
+                config.gateway, self.supervisor, log_dir, gateway_port, f.startup_allowance_s
+            )
 
     async def start(self) -> None:
         """Start the replicas, then the gateway pointed at them; returns without waiting

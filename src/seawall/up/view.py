@@ -71,7 +71,8 @@ def gateway_state(snap: UpSnapshot) -> str:
         return snap.gateway_note or "(no gateway)"
     g = snap.gateway
     pid = f" pid {g.pid}" if g.pid else ""
-    return f"{g.state} {snap.gateway_url}{pid} restarts {g.restarts}"
+    note = f" ({g.reason})" if g.reason else ""
+    return f"{g.state} {snap.gateway_url}{pid} restarts {g.restarts}{note}"
 
 
 def render(snap: UpSnapshot) -> RenderableType:
