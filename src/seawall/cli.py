@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "budget": ("seawall.ops.budget_cli", "error-budget calculator for crashes and restarts"),
     "map": ("seawall.ops.map_cli", "failure domains, their controls and their live state"),
+    "drill": ("seawall.ops.drill_cli", "run a bounded fault drill and report what users saw"),
 }
 
 

@@ -1,0 +1,565 @@
+"""Drills: a scripted, bounded fault against a running fleet, measured as users see it.
+
+Owns: one drill run. It reads the gateway's admin API (`/admin/state`) for where the
+OpenAI API listens and which replicas serve which model, drives a steady streaming
+load through the gateway (`seawall.loadgen`), injects one fault (through the emulator's
+`POST /sim/fault`, or extra load, or the gateway's rollout endpoint), watches the admin
+API until the fleet notices, clears the fault and reports what the load generator saw:
+streams dropped, requests failed, detection time, retry amplification and time to first
+token before and during the fault.
+
+Must not: run unbounded (every loop stops by itself, the whole drill at `duration_s`
+plus a short grace for the final scrape and clean-up), fake a capability the fleet lacks
+(a gateway without `/admin/rollout` ends the rolling-restart drill with EXIT_UNAVAILABLE),
+or talk to anything but the admin URL, the API URL and the replica URLs the admin API
+names. It never restarts a process: a crashed replica stays down until its supervisor
+(or the operator) brings it back, and the report says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from seawall import clock
+from seawall.gateway.metrics import REQUESTS, SHED, UPSTREAM_ATTEMPTS
+from seawall.loadgen import RequestResult, percentile, run_load
+
+Scenario = Literal["crash-mid-stream", "hang", "preemption-storm", "overload", "rolling-restart"]
+SCENARIOS: tuple[Scenario, ...] = (
+    "crash-mid-stream",
+    "hang",
+    "preemption-storm",
+    "overload",
+    "rolling-restart",
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 2  # the admin API, the token or a replica's fault endpoint is not usable
+EXIT_UNAVAILABLE = 3  # the gateway lacks what the drill needs (the rollout endpoint)
+
+# The watcher's cadence: detection time is measured to within this much. Fast enough to
+# catch a crash between two samples of the crashed replica's in-flight count.
+WATCH_INTERVAL_S = 0.05
+HTTP_TIMEOUT_S = 2.0
+# The baseline is this share of the drill; the load stops issuing at LOAD_SHARE and
+# in-flight requests then get the rest to finish, so the drill ends at `duration_s`.
+BASELINE_SHARE = 0.3
+LOAD_SHARE = 0.85
+MIN_BASELINE_S = 1.0
+# Load shapes of the scenarios that are extra load rather than a fault.
+OVERLOAD_FACTOR = 8  # concurrency multiple: well over what a small fleet serves
+STORM_FACTOR = 4
+STORM_PROMPT_TOKENS = 1024  # long prompts and answers fill the KV cache and preempt
+STORM_MAX_TOKENS = 512
+CRASH_AFTER_TOKENS = 8  # tokens generated after the fault is armed: streams have begun
+
+
+class DrillError(Exception):
+    """The drill cannot run; `code` is the process exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFigures:
+    """What clients saw in one phase (results are placed by when they ended)."""
+
+    requests: int
+    ok: int
+    failed: int
+    dropped: int
+    cut: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+
+
+@dataclass
+class DrillReport:
+    scenario: str
+    target: str | None  # replica the fault went to; None for fleet-wide load scenarios
+    model: str
+    api_url: str
+    fault: dict[str, Any] | None
+    baseline_s: float
+    fault_s: float
+    baseline: PhaseFigures
+    during: PhaseFigures
+    streams_dropped: int
+    requests_failed: int
+    requests: int
+    detection_s: float | None  # injection -> the admin API shows it; None: never seen
+    detected_as: str | None
+    # The crashed replica's in-flight streams (the gateway's count) in the last sample
+    # before its /health stopped answering: the streams a crash can drop at most.
+    target_inflight_at_fault: int | None
+    retry_amplification: float | None  # upstream attempts / requests, from /metrics
+    upstream_attempts: float
+    shed_per_s: float  # requests refused by admission or limits, per second of fault
+    preemptions: dict[str, float] = field(default_factory=dict)  # replica -> count
+    health_during_fault: int | None = None  # the target's /health status while faulted
+    cleared: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One look at the fleet during the drill."""
+
+    t: float  # monotonic
+    replicas: dict[str, dict[str, Any]]
+    target_health: int | None  # status of the target's /health; 0: no answer
+
+
+def phase_figures(results: list[RequestResult]) -> PhaseFigures:
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    count = {o: sum(1 for r in results if r.outcome == o) for o in ("ok", "failed", "dropped")}
+    return PhaseFigures(
+        requests=len(results),
+        ok=count["ok"],
+        failed=count["failed"],
+        dropped=count["dropped"],
+        cut=sum(1 for r in results if r.outcome == "cut"),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+    )
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Sums of the counter families the report needs, from a gateway's /metrics."""
+    wanted = {REQUESTS, SHED, UPSTREAM_ATTEMPTS}
+    out = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                out[s.name] += s.value
+    return out
+
+
+def pick_target(state: dict[str, Any], wanted: str | None) -> dict[str, Any]:
+    replicas: list[dict[str, Any]] = list(state.get("replicas") or [])
+    if not replicas:
+        raise DrillError("the gateway lists no replicas")
+    if wanted is not None:
+        for r in replicas:
+            if r.get("id") == wanted:
+                return r
+        raise DrillError(f"no replica {wanted!r} (have: {', '.join(r['id'] for r in replicas)})")
+    routable = sorted((r for r in replicas if r.get("routable")), key=lambda r: str(r["id"]))
+    if not routable:
+        raise DrillError("no replica is routable now: a drill needs a healthy fleet to start")
+    # A fault on the only replica of a model measures an outage, not a failover.
+    peers = {
+        r["id"]: sum(1 for o in routable if o.get("model") == r.get("model")) for r in routable
+    }
+    return max(routable, key=lambda r: peers[r["id"]])
+
+
+def noticed(scenario: Scenario, before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What the admin API shows that a replica has changed, or None."""
+    if now.get("state") != before.get("state") or (
+        before.get("routable") and not now.get("routable")
+    ):
+        why = f"{now.get('state')}, {'routable' if now.get('routable') else 'not routable'}"
+        return f"{why}: {now.get('reason') or '-'}"
+    if scenario == "preemption-storm":
+        if now.get("storm") not in (None, "calm"):
+            return f"storm: {now.get('preemption_rate_per_s')} preemptions/s"
+        rate = now.get("preemption_rate_per_s") or 0.0
+        if rate > 0:
+            return f"preempting: {rate:.2f}/s (storm state {now.get('storm')})"
+    if scenario == "overload" and now.get("saturated") and not before.get("saturated"):
+        return f"saturated: {now.get('saturation_reason') or '-'}"
+    return None
+
+
+class Drill:
+    """One drill against one gateway. `run()` returns the report or raises DrillError."""
+
+    def __init__(
+        self,
+        admin_url: str,
+        admin_token: str | None,
+        scenario: Scenario,
+        *,
+        duration_s: float = 20.0,
+        concurrency: int = 8,
+        api_key: str | None = None,
+        target: str | None = None,
+        max_tokens: int = 32,
+        prompt_tokens: int = 64,
+        crash_after_tokens: int = CRASH_AFTER_TOKENS,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        if duration_s <= 0 or concurrency < 1:
+            raise DrillError("--duration must be > 0 and --concurrency >= 1")
+        self.admin_url = admin_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.scenario = scenario
+        self.duration_s = duration_s
+        self.concurrency = concurrency
+        self.api_key = api_key
+        self.wanted_target = target
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+        self.crash_after_tokens = crash_after_tokens
+        self.log = log or (lambda _line: None)
+        self.samples: list[Sample] = []
+        self.notes: list[str] = []
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    async def _get_json(self, session: aiohttp.ClientSession, path: str) -> dict[str, Any]:
+        try:
+            async with session.get(self.admin_url + path, headers=self.headers) as r:
+                if r.status == 401:
+                    raise DrillError("the admin API refused the token (--admin-token)")
+                if r.status != 200:
+                    raise DrillError(f"GET {path} answered {r.status}")
+                body: dict[str, Any] = orjson.loads(await r.read())
+                return body
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise DrillError(f"cannot read {self.admin_url}{path}: {e}") from None
+
+    async def _metrics(self, session: aiohttp.ClientSession, api_url: str) -> dict[str, float]:
+        try:
+            async with session.get(api_url + "/metrics") as r:
+                return metric_totals(await r.text())
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise DrillError(f"cannot scrape {api_url}/metrics: {e}") from None
+
+    async def _post_fault(
+        self, session: aiohttp.ClientSession, replica_url: str, fault: dict[str, Any]
+    ) -> bool:
+        """True when the replica took the fault; False when it did not answer."""
+        try:
+            async with session.post(f"{replica_url}/sim/fault", json=fault) as r:
+                if r.status != 200:
+                    raise DrillError(f"{replica_url}/sim/fault answered {r.status}")
+                return True
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _health(self, session: aiohttp.ClientSession, replica_url: str) -> int:
+        try:
+            async with session.get(f"{replica_url}/health") as r:
+                return r.status
+        except (aiohttp.ClientError, TimeoutError):
+            return 0
+
+    # -- the drill ----------------------------------------------------------------------
+
+    async def run(self) -> DrillReport:
+        timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            return await self._run(session)
+
+    async def _preflight(self, session: aiohttp.ClientSession, target: dict[str, Any]) -> None:
+        if self.scenario == "rolling-restart":
+            # GET is harmless: aiohttp answers 405 for a POST-only route that exists and
+            # 404 for none, so the drill learns which without starting a rollout.
+            try:
+                async with session.get(
+                    self.admin_url + "/admin/rollout", headers=self.headers
+                ) as r:
+                    status = r.status
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise DrillError(f"cannot reach {self.admin_url}: {e}") from None
+            if status == 401:
+                raise DrillError("the admin API refused the token (--admin-token)")
+            if status == 404:
+                raise DrillError(
+                    "rolling-restart: the rollout endpoint (POST /admin/rollout) is not "
+                    "available on this gateway; nothing was restarted",
+                    EXIT_UNAVAILABLE,
+                )
+            return
+        if self.scenario in ("crash-mid-stream", "hang"):
+            url = target["url"]
+            try:
+                async with session.get(f"{url}/sim/state") as r:
+                    status = r.status
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise DrillError(f"cannot reach replica {target['id']} at {url}: {e}") from None
+            if status != 200:
+                raise DrillError(
+                    f"replica {target['id']} ({url}) takes no faults: this drill needs "
+                    "`seawall sim --enable-faults` replicas"
+                )
+
+    async def _run(self, session: aiohttp.ClientSession) -> DrillReport:
+        started = clock.monotonic()
+        deadline = started + self.duration_s
+        state = await self._get_json(session, "/admin/state")
+        api_url = str(state.get("api_url") or "").rstrip("/")
+        if not api_url:
+            raise DrillError("the admin API does not say where the OpenAI API listens (api_url)")
+        target = pick_target(state, self.wanted_target)
+        model = str(target.get("model") or "")
+        await self._preflight(session, target)
+        fleet_wide = self.scenario in ("preemption-storm", "overload", "rolling-restart")
+        before_replicas = {r["id"]: r for r in state["replicas"]}
+        metrics_before = await self._metrics(session, api_url)
+
+        results: list[RequestResult] = []
+        load_s = self.duration_s * LOAD_SHARE
+        grace_s = max(0.5, self.duration_s - load_s)
+        baseline_s = max(MIN_BASELINE_S, self.duration_s * BASELINE_SHARE)
+        if baseline_s >= load_s:
+            raise DrillError(f"--duration {self.duration_s:g} s is too short for a drill")
+        stop = asyncio.Event()
+        load = asyncio.create_task(
+            run_load(
+                api_url,
+                model,
+                concurrency=self.concurrency,
+                duration_s=load_s,
+                max_requests=self._max_requests(self.concurrency, load_s),
+                prompt_tokens=self.prompt_tokens,
+                max_tokens=self.max_tokens,
+                api_key=self.api_key,
+                on_result=results.append,
+                grace_s=grace_s,
+                stop=stop,
+            )
+        )
+        watch_health = self.scenario in ("crash-mid-stream", "hang")
+        watcher = asyncio.create_task(
+            self._watch(session, target["url"] if watch_health else None, deadline)
+        )
+        extra: asyncio.Task[Any] | None = None
+        fault: dict[str, Any] | None = None
+        inject_at = started
+        health_during: int | None = None
+        try:
+            self.log(
+                f"baseline: {baseline_s:.1f} s of steady load at concurrency {self.concurrency}"
+            )
+            await _sleep_until(started + baseline_s, load)
+            inject_at = clock.monotonic()
+            fault, extra = await self._inject(session, api_url, model, target, deadline)
+            self.log(f"injected {self.scenario} at +{inject_at - started:.1f} s")
+            if self.scenario == "hang":
+                health_during = await self._health(session, target["url"])
+            await _sleep_until(deadline, load)
+        finally:
+            # Bounded either way: the load stops by itself at load_s + grace_s.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(load), timeout=grace_s + 1.0)
+            stop.set()
+            tasks = [watcher, load] + ([extra] if extra is not None else [])
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            cleared = await self._clear(session, target) if fault is not None else False
+        end = clock.monotonic()
+        metrics_after = await self._metrics(session, api_url)
+        final = await self._get_json(session, "/admin/state")
+
+        # A client notices a fault when its request ends, so each result counts in the
+        # phase in which it ended; a stream cut by a crash started in the baseline.
+        before = [r for r in results if r.started_at + r.total_s < inject_at]
+        during = [r for r in results if r.started_at + r.total_s >= inject_at]
+        detection_s, detected_as = self._detection(
+            before_replicas, None if fleet_wide else target["id"], inject_at
+        )
+        inflight_at_fault = self._inflight_at_crash(target["id"], inject_at)
+        d_requests = metrics_after[REQUESTS] - metrics_before[REQUESTS]
+        d_attempts = metrics_after[UPSTREAM_ATTEMPTS] - metrics_before[UPSTREAM_ATTEMPTS]
+        fault_s = max(1e-9, end - inject_at)
+        preemptions = {
+            r["id"]: _preemptions(r) - _preemptions(before_replicas.get(r["id"], {}))
+            for r in final.get("replicas", [])
+        }
+        self._explain(target, final, preemptions, detection_s, cleared)
+        all_results = before + during
+        return DrillReport(
+            scenario=self.scenario,
+            target=None if fleet_wide else str(target["id"]),
+            model=model,
+            api_url=api_url,
+            fault=fault,
+            baseline_s=inject_at - started,
+            fault_s=end - inject_at,
+            baseline=phase_figures(before),
+            during=phase_figures(during),
+            streams_dropped=sum(1 for r in all_results if r.outcome == "dropped"),
+            requests_failed=sum(1 for r in all_results if r.outcome == "failed"),
+            requests=len(all_results),
+            detection_s=detection_s,
+            detected_as=detected_as,
+            target_inflight_at_fault=inflight_at_fault,
+            retry_amplification=d_attempts / d_requests if d_requests > 0 else None,
+            upstream_attempts=d_attempts,
+            shed_per_s=(metrics_after[SHED] - metrics_before[SHED]) / fault_s,
+            preemptions=preemptions,
+            health_during_fault=health_during,
+            cleared=cleared,
+            notes=self.notes,
+        )
+
+    @staticmethod
+    def _max_requests(concurrency: int, seconds: float) -> int:
+        # A ceiling far above what a worker can finish (one request per ~5 ms), so the
+        # time bound ends the load, while the count bound still exists.
+        return concurrency * max(1, math.ceil(seconds)) * 200
+
+    async def _inject(
+        self,
+        session: aiohttp.ClientSession,
+        api_url: str,
+        model: str,
+        target: dict[str, Any],
+        deadline: float,
+    ) -> tuple[dict[str, Any] | None, asyncio.Task[Any] | None]:
+        remaining_s = max(0.1, (deadline - clock.monotonic()) - self.duration_s * (1 - LOAD_SHARE))
+        match self.scenario:
+            case "crash-mid-stream":
+                fault = {"kind": "crash", "after_tokens": self.crash_after_tokens}
+                if not await self._post_fault(session, target["url"], fault):
+                    raise DrillError(f"replica {target['id']} did not answer the fault")
+                return fault, None
+            case "hang":
+                fault = {"kind": "hang", "running": "keep"}
+                if not await self._post_fault(session, target["url"], fault):
+                    raise DrillError(f"replica {target['id']} did not answer the fault")
+                return fault, None
+            case "preemption-storm" | "overload":
+                storm = self.scenario == "preemption-storm"
+                concurrency = self.concurrency * (STORM_FACTOR if storm else OVERLOAD_FACTOR)
+                extra = asyncio.create_task(
+                    run_load(
+                        api_url,
+                        model,
+                        concurrency=concurrency,
+                        duration_s=remaining_s,
+                        max_requests=self._max_requests(concurrency, remaining_s),
+                        prompt_tokens=STORM_PROMPT_TOKENS if storm else self.prompt_tokens,
+                        max_tokens=STORM_MAX_TOKENS if storm else self.max_tokens * 2,
+                        api_key=self.api_key,
+                        grace_s=0.5,
+                    )
+                )
+                return None, extra
+            case "rolling-restart":
+                try:
+                    async with session.post(
+                        self.admin_url + "/admin/rollout", headers=self.headers, json={}
+                    ) as r:
+                        status = r.status
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    raise DrillError(f"POST /admin/rollout failed: {e}") from None
+                if status == 404:
+                    raise DrillError(
+                        "rolling-restart: the rollout endpoint is not available on this gateway",
+                        EXIT_UNAVAILABLE,
+                    )
+                if status >= 300:
+                    raise DrillError(f"POST /admin/rollout answered {status}")
+                self.notes.append(f"rollout started (POST /admin/rollout answered {status})")
+                return None, None
+        raise DrillError(f"unknown scenario {self.scenario!r}")
+
+    async def _watch(
+        self, session: aiohttp.ClientSession, health_url: str | None, deadline: float
+    ) -> None:
+        """Sample the admin API (and the target's /health) until the deadline."""
+        while clock.monotonic() < deadline:
+            t = clock.monotonic()
+            health = await self._health(session, health_url) if health_url else None
+            with contextlib.suppress(DrillError):
+                state = await self._get_json(session, "/admin/state")
+                self.samples.append(Sample(t, {r["id"]: r for r in state["replicas"]}, health))
+            await asyncio.sleep(max(0.0, WATCH_INTERVAL_S - (clock.monotonic() - t)))
+
+    def _detection(
+        self, before: dict[str, dict[str, Any]], target_id: str | None, inject_at: float
+    ) -> tuple[float | None, str | None]:
+        for s in self.samples:
+            if s.t < inject_at:
+                continue
+            ids = [target_id] if target_id is not None else sorted(s.replicas)
+            for rid in ids:
+                now = s.replicas.get(rid)
+                if now is None:
+                    continue
+                why = noticed(self.scenario, before.get(rid, {}), now)
+                if why is not None:
+                    return s.t - inject_at, f"{rid} {why}"
+        return None, None
+
+    def _inflight_at_crash(self, target_id: str, inject_at: float) -> int | None:
+        """The gateway's in-flight count for the target in the last sample before its
+        /health stopped answering (the crash), or None when no crash was seen."""
+        if self.scenario != "crash-mid-stream":
+            return None
+        last: int | None = None
+        for s in self.samples:
+            if s.t >= inject_at and s.target_health == 0:
+                return last
+            replica = s.replicas.get(target_id)
+            if replica is not None:
+                last = int(replica.get("inflight") or 0)
+        return None
+
+    async def _clear(self, session: aiohttp.ClientSession, target: dict[str, Any]) -> bool:
+        cleared = await self._post_fault(session, target["url"], {"kind": "clear"})
+        if self.scenario == "crash-mid-stream" and not cleared:
+            self.notes.append(
+                f"replica {target['id']} crashed and its process is gone: restart it (or let "
+                "its supervisor) before the next drill"
+            )
+        elif not cleared:
+            self.notes.append(f"could not clear the fault on {target['id']} ({target['url']})")
+        return cleared
+
+    def _explain(
+        self,
+        target: dict[str, Any],
+        final: dict[str, Any],
+        preemptions: dict[str, float],
+        detection_s: float | None,
+        cleared: bool,
+    ) -> None:
+        if detection_s is None and self.scenario in ("crash-mid-stream", "hang"):
+            self.notes.append(
+                f"the admin API never showed {target['id']} leave `ready` within the drill: "
+                "check the fleet intervals (liveness, deep probe, watchdog)"
+            )
+        if self.scenario == "preemption-storm" and not any(v > 0 for v in preemptions.values()):
+            self.notes.append(
+                "no preemptions happened: the KV cache never filled. Start the sims with a "
+                "small --kv-blocks (e.g. `seawall sim --kv-blocks 64`) to drill a storm"
+            )
+        if self.scenario == "crash-mid-stream" and cleared:
+            self.notes.append(
+                f"replica {target['id']} still answered after the drill: the crash fault "
+                "did not fire (no tokens generated on it?)"
+            )
+
+
+async def _sleep_until(at: float, load: Awaitable[Any]) -> None:
+    """Sleep until monotonic `at`, or less if the load ends first."""
+    remaining = at - clock.monotonic()
+    if remaining > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(load), timeout=remaining)
+
+
+def _preemptions(replica: dict[str, Any]) -> float:
+    load = replica.get("load") or {}
+    return float(load.get("preemptions_total") or 0.0)
