@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -174,3 +175,46 @@ def test_the_in_process_gateway_restarts_a_replica_whose_health_fails(artifacts:
     output = assert_nothing_left(proc, log_dir, replicas=1)
     assert re.search(r"event: r0 starting pid=\d+ url=\S+ \(restarted: health", output), output
     assert "r0 (restarts 1)" in output
+
+
+def test_without_a_gateway_traffic_goes_to_each_replica_directly(artifacts: Path) -> None:
+    config = artifacts / "fleet.yaml"
+    config.write_text(
+        "fleet: {replicas: 2, model: tiny}\ngateway: null\ntraffic: {concurrency: 2}\n"
+    )
+    proc = spawn(
+        seawall_argv("up", "--config", str(config), "--seconds", "5", "--log-dir", str(artifacts)),
+        artifacts / "up.log",
+    )
+    try:
+        assert proc.wait(timeout=60) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    output = assert_nothing_left(proc, artifacts, replicas=2)
+    assert "gateway: (no gateway: gateway is null in the config)" in output
+    target = re.search(r"traffic started → (\S+), (\S+)$", output, re.M)
+    assert target, output[-3000:]
+    traffic = re.search(r"^  traffic: requests \d+: ok (\d+), failed 0", output, re.M)
+    assert traffic and int(traffic.group(1)) > 0, output[-3000:]
+
+
+def test_a_busy_gateway_port_is_a_clear_error_and_nothing_is_left(artifacts: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = spawn(
+            seawall_argv(
+                "up", "--demo", "--demo-seconds", "30", "--gateway-port", str(port),
+                "--log-dir", str(artifacts),
+            ),
+            artifacts / "up.log",
+        )  # fmt: skip
+        try:
+            assert proc.wait(timeout=60) == 1, proc.log()[-4000:]
+        finally:
+            proc.stop()
+    output = proc.log()
+    assert "seawall up: could not start the fleet:" in output
+    assert "all processes stopped" in output
+    assert [p for p in pids_mentioned(output) if running(p)] == []

@@ -182,22 +182,21 @@ class Session:
         if self.fleet.gateway_note:
             print(f"seawall up: {self.fleet.gateway_note}", flush=True)
         code = 0
+        started = False
         try:
             with self.output:
-                await self.fleet.start()
-                if self.fleet.gateway is not None:
-                    print(f"seawall up: gateway on {self.fleet.gateway.url}", flush=True)
-                while not self.stop.is_set():
-                    left_s = self.seconds - self._elapsed() if self.seconds else TICK_S
-                    if left_s <= 0:
-                        break
-                    await self._tick()
-                    self.output.show(self.snapshot())
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.stop.wait(), min(TICK_S, left_s))
-            if self.stop.is_set():
+                try:
+                    await self.fleet.start()
+                    started = True
+                except Exception as e:  # a busy port, a config the gateway refuses, ...
+                    print(f"seawall up: could not start the fleet: {e}", file=sys.stderr)
+                if started:
+                    await self._loop()
+            if not started:
+                code = 1
+            elif self.stop.is_set():
                 print("seawall up: stopping (signal)", flush=True)
-            if self.config.traffic is not None and self.traffic is None:
+            elif self.config.traffic is not None and self.traffic is None:
                 print(
                     f"seawall up: the fleet was not ready in time; see the logs in {self.log_dir}",
                     file=sys.stderr,
@@ -208,6 +207,18 @@ class Session:
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
         return code
+
+    async def _loop(self) -> None:
+        if self.fleet.gateway is not None:
+            print(f"seawall up: gateway on {self.fleet.gateway.url}", flush=True)
+        while not self.stop.is_set():
+            left_s = self.seconds - self._elapsed() if self.seconds else TICK_S
+            if left_s <= 0:
+                break
+            await self._tick()
+            self.output.show(self.snapshot())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), min(TICK_S, left_s))
 
     async def _shutdown(self, code: int) -> int:
         """Traffic stops first, then the gateway drains, then the replicas stop."""
