@@ -7,7 +7,9 @@ One run, side by side, in front of the same `seawall sim` replicas (low step cos
 the emulator is not the bottleneck; its CPU is printed too):
 
 - direct: the client round-robins over the replicas itself (the reference),
-- seawall: `python -m seawall serve --replica ... --no-access-log`,
+- seawall: `python -m seawall serve --replica ... --no-access-log` (its defaults),
+- seawall-noadm: the same with `admission: {enabled: false}`: the proxy's own cost,
+  without fleet admission queueing or shedding when it reads the engines as saturated,
 - with `--peers`: vllm-router (Rust, PyPI `vllm-router`) and the LiteLLM proxy (PyPI
   `litellm[proxy]`), each installed on first use in its own venv under bench/.peers/.
 
@@ -61,7 +63,10 @@ from _common import (
 PEERS = REPO / "bench" / ".peers"
 LOGS = REPO / "bench" / "results" / "gateway-logs"
 MODEL = "sim-model"
-SYSTEMS = ("direct", "seawall", "vllm-router", "litellm")
+SYSTEMS = ("direct", "seawall", "seawall-noadm", "vllm-router", "litellm")
+# seawall-noadm: fleet admission (saturation queue/shed) off, the rest as configured: the
+# proxy's own cost, without the admission policy deciding to queue or shed.
+NOADM_CONFIG = "admission:\n  enabled: false\n"
 
 # LiteLLM proxy, made as lean as it goes: no database (no DATABASE_URL), no spend or
 # error logs, no telemetry, no callbacks, errors-only logging, one uvicorn worker, and
@@ -165,14 +170,23 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = LOGS / f"{name}.log"
-    if name == "seawall":
+    if name in ("seawall", "seawall-noadm"):
         argv = [sys.executable, "-m", "seawall", "serve", "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--no-access-log", "--log-level", "WARNING"]
+        notes = "defaults, no access log"
+        config = args.seawall_config
+        if name == "seawall-noadm":
+            config = LOGS / "seawall-noadm.yaml"
+            config.write_text(NOADM_CONFIG)
+            notes = "admission.enabled=false, no access log"
+        if config:
+            argv += ["--config", str(config)]
+            notes += f", --config {config}"
         for u in upstreams:
             argv += ["--replica", u]
         proc = Proc(name, argv, log, env=_env(), cwd=REPO)
         wait_http(url + "/readyz", 60, proc)
-        return System(name, url, proc, "defaults, power of two choices, no access log")
+        return System(name, url, proc, notes)
     if name == "vllm-router":
         exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
         argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
@@ -322,11 +336,9 @@ def pool(runs: list[Row]) -> list[Row]:
     return list(out.values())
 
 
-def profile_seawall(
-    upstreams: list[str], urls: list[str], conc: int, args: argparse.Namespace
-) -> None:
+def profile_seawall(name: str, upstreams: list[str], conc: int, args: argparse.Namespace) -> None:
     pyspy = peer_venv("tools", "py-spy", "py-spy")
-    system = start_system("seawall", upstreams, args)
+    system = start_system(name, upstreams, args)
     assert system.proc is not None and system.url is not None
     raw = LOGS / "seawall-profile.txt"
     try:
@@ -339,6 +351,7 @@ def profile_seawall(
                 str(system.proc.pid),
                 "--rate",
                 "250",
+                "--gil",
                 "--format",
                 "raw",
                 "--nolineno",
@@ -376,7 +389,7 @@ def profile_seawall(
         for f in set(frames):
             inclusive[f] += n
         total += n
-    print(f"\nSeawall profile under the same load (py-spy, {total} non-idle samples at 250 Hz;")
+    print(f"\n{name} profile under the same load (py-spy --gil, {total} samples at 250 Hz;")
     print(f"raw stacks in {raw.relative_to(REPO)}). Top 15 by own time:")
     print_table(
         ["function (file)", "own %", "incl %"],
@@ -424,18 +437,22 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         if r.errors:
             print(f"  {r.system} c={r.concurrency} errors: {r.errors}")
 
-    seawall = {r.concurrency: r for r in rows if r.system == "seawall"}
     ratios = []
-    for r in rows:
-        s = seawall.get(r.concurrency)
+    for s, r in (
+        (s, r)
+        for s in rows
+        if s.system.startswith("seawall")
+        for r in rows
+        if r.concurrency == s.concurrency and r.system in ("vllm-router", "litellm")
+    ):
         d = direct.get(r.concurrency)
-        if r.system in ("direct", "seawall") or s is None or d is None:
+        if d is None:
             continue
         s50, r50 = s.p(50) - d.p(50), r.p(50) - d.p(50)
         s99, r99 = s.p(99) - d.p(99), r.p(99) - d.p(99)
         ratios.append(
             [
-                f"seawall/{r.system}",
+                f"{s.system}/{r.system}",
                 r.concurrency,
                 s.cpu_per_1k / r.cpu_per_1k if r.cpu_per_1k else math.nan,
                 s50 / r50 if r50 > 0.05 else math.nan,
@@ -456,14 +473,17 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         )  # fmt: skip
 
     print()
-    for c, s in sorted(seawall.items()):
+    for s in rows:
+        if not s.system.startswith("seawall"):
+            continue
+        c = s.concurrency
         d = direct.get(c)
         if d is not None and c == 100:
             added = s.p(50) - d.p(50)
             sat = "saturated" if s.machine_busy > 0.9 else "not saturated"
             verdict = "met" if added < 1.0 else "NOT met"
             print(
-                f"goal: Seawall added p50 TTFT < 1 ms at 100 streams: {verdict} "
+                f"goal: {s.system} added p50 TTFT < 1 ms at 100 streams: {verdict} "
                 f"({added:.3f} ms; machine {100 * s.machine_busy:.0f}% busy, {sat})"
             )
         router = next((r for r in rows if r.system == "vllm-router" and r.concurrency == c), None)
@@ -471,7 +491,7 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
             ratio = s.cpu_per_1k / router.cpu_per_1k
             verdict = "met" if ratio <= 1.5 else "NOT met"
             print(
-                f"goal: Seawall CPU per streamed request <= 1.5x vllm-router's (c={c}): "
+                f"goal: {s.system} CPU per streamed request <= 1.5x vllm-router's (c={c}): "
                 f"{verdict} ({ratio:.2f}x)"
             )
 
@@ -489,6 +509,7 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--route", choices=("chat", "completions"), default="chat")
     parser.add_argument("--systems", help="comma list, a subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--seawall-config", metavar="FILE", help="seawall serve --config")
     parser.add_argument("--router-policy", default="round_robin", help="vllm-router --policy")
     parser.add_argument("--step-base-ms", type=float, default=10.0)
     parser.add_argument("--step-per-seq-ms", type=float, default=0.01)
@@ -499,11 +520,17 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds, pooled (default 1)"
     )
-    parser.add_argument("--profile", action="store_true", help="py-spy the Seawall gateway")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="seawall",
+        choices=("seawall", "seawall-noadm"),
+        help="py-spy one more load through this Seawall variant (default seawall)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
-    names = [s for s in SYSTEMS if s in ("direct", "seawall") or args.peers]
+    names = [s for s in SYSTEMS if s.startswith(("direct", "seawall")) or args.peers]
     if args.systems:
         wanted = set(args.systems.split(","))
         names = [s for s in names if s in wanted or s == "direct"]
@@ -550,7 +577,7 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps([r.__dict__ for r in rows]))
         if args.profile:
-            profile_seawall(urls, urls, max(args.concurrency), args)
+            profile_seawall(args.profile, urls, max(args.concurrency), args)
     finally:
         for s in sims:
             s.stop()
