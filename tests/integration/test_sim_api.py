@@ -349,3 +349,14 @@ def test_continuous_usage_stats_put_running_usage_in_every_chunk(sim: Proc) -> N
     counts = [e["usage"]["completion_tokens"] for e in content]
     assert counts == sorted(counts) and counts[0] >= 1
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_a_repeated_prompt_shows_prefix_cache_hits_in_the_metrics(sim: Proc) -> None:
+    prompt = list(range(100_500, 100_700))  # 200 tokens: 12 full blocks of 16
+    before = metric(sim, "vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        status, _ = post(sim.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert status == 200
+    assert metric(sim, "vllm:prefix_cache_hits_total") - before == 12 * 16
+    assert metric(sim, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") >= 192
+    assert metric(sim, "vllm:cache_config_info", enable_prefix_caching="True") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,16 +14,19 @@ from seawall.sim.scheduler import (
     Scheduler,
     SchedulerConfig,
     SimRequest,
-    Status,
     StepCosts,
     total_held_blocks,
 )
 
 
-def _req(rid: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True) -> SimRequest:
+def _req(
+    rid: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True, shared: bool = False
+) -> SimRequest:
+    """A request whose prompt is its own (no prefix-cache hits) unless `shared`."""
+    salt = 0 if shared else zlib.crc32(rid.encode())
     return SimRequest(
         request_id=rid,
-        prompt_ids=[textgen.WORD_BASE + (i % 50) for i in range(prompt_len)],
+        prompt_ids=[textgen.WORD_BASE + ((salt + i) % 500) for i in range(prompt_len)],
         max_tokens=max_tokens,
         key=7,
         ignore_eos=ignore_eos,
@@ -33,12 +38,15 @@ def _held(s: Scheduler) -> int:
 
 
 def _assert_invariants(s: Scheduler) -> None:
+    held_ids = [b for r in (*s.running, *s.waiting) for b in r.block_ids]
     assert 0 <= s.free_blocks <= s.usable_blocks
-    assert s.free_blocks + _held(s) == s.usable_blocks
+    # every reference is a request's, and each held block is held by someone
+    assert s.pool.total_refs() == len(held_ids) == _held(s)
+    assert len(set(held_ids)) == s.usable_blocks - s.free_blocks
+    for r in (*s.running, *s.waiting):
+        assert len(set(r.block_ids)) == len(r.block_ids)
     assert 0.0 <= s.kv_usage() <= 1.0
     assert len(s.running) <= s.config.max_num_seqs
-    for r in s.waiting:
-        assert r.num_blocks == 0 or r.status is Status.WAITING
 
 
 def test_kv_usage_counts_the_null_block_as_vllm_does() -> None:
@@ -176,6 +184,7 @@ _ops = st.lists(
     block_size=st.sampled_from([1, 2, 4, 16]),
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(1, 64),
+    caching=st.booleans(),
 )
 def test_block_accounting_holds_under_any_sequence_of_operations(
     ops: list[tuple[str, int, int]],
@@ -183,6 +192,7 @@ def test_block_accounting_holds_under_any_sequence_of_operations(
     block_size: int,
     max_num_seqs: int,
     budget: int,
+    caching: bool,
 ) -> None:
     max_model_len = (num_blocks - 1) * block_size
     s = Scheduler(
@@ -192,13 +202,14 @@ def test_block_accounting_holds_under_any_sequence_of_operations(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
+            enable_prefix_caching=caching,
         )
     )
     added = 0
     for op, a, b in ops:
         if op == "add":
             prompt_len = min(a, max_model_len - 1)
-            s.add(_req(f"r{added}", prompt_len, b, ignore_eos=bool(a % 2)))
+            s.add(_req(f"r{added}", prompt_len, b, ignore_eos=bool(a % 2), shared=b % 3 == 0))
             added += 1
         elif op == "step":
             before = s.num_preemptions_total
@@ -221,3 +232,57 @@ def test_block_accounting_holds_under_any_sequence_of_operations(
     assert not s.has_work()
     assert s.free_blocks == s.usable_blocks
     assert s.kv_usage() == 0.0
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_skips_that_prefill() -> None:
+    costs = StepCosts(base_s=0.0, per_seq_s=0.0, per_prefill_token_s=1.0)
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=16, costs=costs))
+    s.add(_req("a", prompt_len=64, max_tokens=2, shared=True))
+    first = s.step()
+    assert (first.prefix_queries, first.prefix_hits, first.cost_s) == (64, 0, 64.0)
+    while s.has_work():
+        s.step()
+    assert s.kv_usage() == 0.0  # evictable cached blocks count as free
+    s.add(_req("b", prompt_len=64, max_tokens=2, shared=True))
+    second = s.step()
+    # the last token is always computed: 3 of 4 blocks hit
+    assert (second.prefix_queries, second.prefix_hits, second.cost_s) == (64, 48, 16.0)
+    assert s.running[0].num_cached_tokens == 48
+    while s.has_work():
+        s.step()
+        _assert_invariants(s)
+
+
+def test_running_requests_share_their_common_prefix_blocks() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=101, block_size=16, max_num_batched_tokens=64))
+    s.add(_req("a", prompt_len=64, max_tokens=50, shared=True))
+    s.step()  # a's prompt is computed and its full blocks cached
+    s.add(_req("b", prompt_len=64, max_tokens=50, shared=True))
+    s.step()
+    a, b = s.running
+    assert a.block_ids[:3] == b.block_ids[:3]  # shared, counted once
+    assert s.usable_blocks - s.free_blocks == len(set(a.block_ids) | set(b.block_ids))
+    _assert_invariants(s)
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=9, block_size=4, max_model_len=32))
+    s.add(_req("a", prompt_len=16, max_tokens=1, shared=True))
+    while s.has_work():
+        s.step()
+    # another request needs every block: the cached prefix must make room
+    s.add(_req("other", prompt_len=31, max_tokens=1))
+    while s.has_work():
+        s.step()
+    s.add(_req("again", prompt_len=16, max_tokens=1, shared=True))
+    assert s.step().prefix_hits == 0
+
+
+def test_without_prefix_caching_nothing_is_shared_or_counted() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=100, enable_prefix_caching=False))
+    for rid in ("a", "b"):
+        s.add(_req(rid, prompt_len=64, max_tokens=2, shared=True))
+        result = s.step()
+        assert (result.prefix_queries, result.prefix_hits) == (0, 0)
+        while s.has_work():
+            s.step()

@@ -29,6 +29,7 @@ Flags and defaults:
   --dcgm-gpus 1                 GPUs shown on /dcgm/metrics (gpu="0".."N-1")
   --max-num-queued-reqs off     a full waiting queue answers 503 (vLLM's queue limit)
   --max-num-queued-tokens off   a prompt-token backlog over N answers 503
+  --[no-]enable-prefix-caching  on: vLLM's prefix cache over the KV blocks (vLLM's default)
 
 With the default costs one sequence decodes at ~10 ms per token, 100 at ~20 ms, and a
 2,048-token prefill step takes ~110 ms, so TTFT grows with prompt length and load.
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dcgm-gpus", type=int, default=1)
     parser.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N")
     parser.add_argument("--max-num-queued-tokens", type=int, default=None, metavar="N")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -134,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dcgm_gpus=args.dcgm_gpus,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -372,6 +372,7 @@ class Engine:
         streams = self.streams
         itl = metrics.observe_itl
         prompt_tokens = 0
+        cached_tokens = 0
         for request, token in result.outputs:
             stream = streams.get(request.request_id)
             if stream is None:
@@ -381,6 +382,7 @@ class Engine:
                 stream.first_token_s = now
                 metrics.ttft.observe(now - stream.arrival_s)
                 prompt_tokens += len(request.prompt_ids)
+                cached_tokens += request.num_cached_tokens
             else:
                 itl(now - (stream.last_token_s or now))
             stream.last_token_s = now
@@ -405,7 +407,14 @@ class Engine:
         if prompt_tokens:
             self.prompt_tokens_total += prompt_tokens
             metrics.prompt_tokens.inc(prompt_tokens)
-            metrics.prompt_tokens_local_compute.inc(prompt_tokens)
+            metrics.prompt_tokens_local_compute.inc(prompt_tokens - cached_tokens)
+        if cached_tokens:
+            metrics.prompt_tokens_local_cache_hit.inc(cached_tokens)
+            metrics.prompt_tokens_cached.inc(cached_tokens)
+            metrics.prompt_tokens_cached_device.inc(cached_tokens)
+        if result.prefix_queries:
+            metrics.prefix_queries.inc(result.prefix_queries)
+            metrics.prefix_hits.inc(result.prefix_hits)
         if result.num_decode_tokens:
             metrics.generation_tokens.inc(result.num_decode_tokens)
             self.generated_tokens_total += result.num_decode_tokens
@@ -452,7 +461,9 @@ class Engine:
             m.request_params_n.observe(stream.params_n)
         m.request_params_max_tokens.observe(stream.max_tokens)
         m.request_num_preemptions.observe(request.num_preemptions)
-        m.request_prefill_kv_computed_tokens.observe(len(request.prompt_ids))
+        m.request_prefill_kv_computed_tokens.observe(
+            len(request.prompt_ids) - request.num_cached_tokens
+        )
         scheduled_s = stream.first_scheduled_s
         first_s = stream.first_token_s
         last_s = stream.last_token_s
@@ -474,6 +485,7 @@ class Engine:
         s = self.scheduler
         return {
             "free_blocks": s.free_blocks,
+            "prefix_caching": s.config.enable_prefix_caching,
             "total_blocks": s.config.num_blocks,
             "usable_blocks": s.usable_blocks,
             "kv_usage": s.kv_usage(),

@@ -64,6 +64,7 @@ class SimMetrics:
         block_size: int,
         num_gpu_blocks: int,
         compat: bool = False,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.registry = reg = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)
@@ -131,11 +132,11 @@ class SimMetrics:
             if compat
             else None
         )
-        counter(
+        self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
         ).labels(**values)
-        counter(
+        self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ).labels(**values)
         counter(
@@ -168,9 +169,9 @@ class SimMetrics:
             registry=reg,
         )
         self.prompt_tokens_local_compute = by_source.labels(**values, source="local_compute")
-        by_source.labels(**values, source="local_cache_hit")
+        self.prompt_tokens_local_cache_hit = by_source.labels(**values, source="local_cache_hit")
         by_source.labels(**values, source="external_kv_transfer")
-        counter(
+        self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         ).labels(**values)
         cached_by_source = Counter(
@@ -182,7 +183,8 @@ class SimMetrics:
             [*labels, "source"],
             registry=reg,
         )
-        for source in ("device", "host", "p2p", "disk", "external_unspecified"):
+        self.prompt_tokens_cached_device = cached_by_source.labels(**values, source="device")
+        for source in ("host", "p2p", "disk", "external_unspecified"):
             cached_by_source.labels(**values, source=source)
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -309,8 +311,7 @@ class SimMetrics:
         cache_info.labels(
             block_size=str(block_size),
             cache_dtype="auto",
-            # the emulator does not model prefix caching, so it says so
-            enable_prefix_caching="False",
+            enable_prefix_caching=str(enable_prefix_caching),
             engine="0",
             gpu_memory_utilization="0.9",
             num_cpu_blocks="None",

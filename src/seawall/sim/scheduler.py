@@ -19,6 +19,9 @@ What it keeps from vLLM 0.33 (`v1/core/sched/scheduler.py`, reference §3):
   that does not fit stops admission. No admission in a step that preempted.
 - KV usage is `1 - free / (num_blocks - 1)`: one block is vLLM's null block and is never
   handed out.
+- With prefix caching (vLLM's default), a request admitted from the waiting queue reuses the
+  cached blocks of its longest cached prefix (never its last token, which must be computed),
+  and those tokens are neither computed nor charged to the step; the pool is `blocks`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from seawall.sim import textgen
+from seawall.sim.blocks import BlockPool, chain_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    enable_prefix_caching: bool = True
     costs: StepCosts = field(default_factory=StepCosts)
     gen: textgen.GenConfig = textgen.DEFAULT_GEN
 
@@ -90,7 +95,10 @@ class SimRequest:
     # state below is the scheduler's
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    num_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -109,6 +117,19 @@ class SimRequest:
     def num_output(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -122,6 +143,8 @@ class StepResult:
     num_decode_tokens: int
     num_scheduled_seqs: int
     cost_s: float
+    prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hits: int = 0  # of those, tokens found
 
     @property
     def idle(self) -> bool:
@@ -131,7 +154,7 @@ class StepResult:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.free_blocks = config.num_blocks - 1  # the null block is never allocated
+        self.pool = BlockPool(config.num_blocks - 1)  # the null block is never allocated
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -143,8 +166,13 @@ class Scheduler:
     def usable_blocks(self) -> int:
         return self.config.num_blocks - 1
 
+    @property
+    def free_blocks(self) -> int:
+        """Free blocks, evictable cached ones included, as vLLM counts them."""
+        return self.pool.num_free
+
     def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.usable_blocks
+        return 1.0 - self.pool.num_free / self.usable_blocks
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -216,12 +244,30 @@ class Scheduler:
             index += 1
 
         # 2. waiting requests, only when nothing was preempted in this step
+        prefix_queries = 0
+        prefix_hits = 0
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting[0]
-                # the whole current sequence must fit, though only the chunk is allocated
-                if self.blocks_needed(request.num_tokens) - request.num_blocks > self.free_blocks:
+                hits = self._cache_hits(request)
+                # the whole current sequence must fit, though only the chunk is allocated;
+                # a hit on an evictable block takes that block out of the free count
+                need_total = (
+                    self.blocks_needed(request.num_tokens)
+                    - len(hits)
+                    + self.pool.num_evictable(hits)
+                )
+                if need_total > self.pool.num_free:
                     break
+                if cfg.enable_prefix_caching and request.num_computed == 0:
+                    prefix_queries += request.num_tokens
+                    prefix_hits += len(hits) * cfg.block_size
+                    if hits:
+                        self.pool.touch(hits)
+                        request.block_ids = list(hits)
+                        request.num_computed = len(hits) * cfg.block_size
+                    if not request.ever_scheduled:
+                        request.num_cached_tokens = request.num_computed
                 num_new = min(request.num_tokens - request.num_computed, token_budget)
                 need = self.blocks_needed(request.num_computed + num_new) - request.num_blocks
                 self.waiting.popleft()
@@ -247,6 +293,8 @@ class Scheduler:
             if not is_decode:
                 num_prefill += num_new
             request.num_computed += num_new
+            if cfg.enable_prefix_caching:
+                self._register_full_blocks(request)
             if request.num_computed < request.num_tokens:
                 continue  # a prefill chunk: no token yet
             token = textgen.next_token(request.key, request.context_hash, gen)
@@ -275,18 +323,46 @@ class Scheduler:
             num_decode_tokens=num_decode,
             num_scheduled_seqs=len(scheduled),
             cost_s=cost_s,
+            prefix_queries=prefix_queries,
+            prefix_hits=prefix_hits,
         )
 
     # ------------------------------------------------------------------ internals
 
+    def _cache_hits(self, request: SimRequest) -> list[int]:
+        """Cached blocks for the request's longest cached prefix (admission only)."""
+        if not self.config.enable_prefix_caching or request.num_computed > 0:
+            return []
+        # the last token is always computed, so at most (num_tokens - 1) tokens can hit
+        full = (request.num_tokens - 1) // self.config.block_size
+        self._ensure_hashes(request, full)
+        return self.pool.lookup(request.block_hashes[:full])
+
+    def _ensure_hashes(self, request: SimRequest, num_full_blocks: int) -> None:
+        bs = self.config.block_size
+        hashes = request.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(chain_hash(parent, request.tokens(i * bs, (i + 1) * bs)))
+
+    def _register_full_blocks(self, request: SimRequest) -> None:
+        full = min(request.num_computed // self.config.block_size, len(request.block_ids))
+        if full <= request.num_registered:
+            return
+        self._ensure_hashes(request, full)
+        for i in range(request.num_registered, full):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+        request.num_registered = full
+
     def _take(self, request: SimRequest, num_blocks: int) -> None:
         if num_blocks > 0:
-            self.free_blocks -= num_blocks
-            request.num_blocks += num_blocks
+            request.block_ids.extend(self.pool.allocate(num_blocks))
 
     def _release(self, request: SimRequest) -> None:
-        self.free_blocks += request.num_blocks
-        request.num_blocks = 0
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_registered = 0
 
     def _preempt(self, request: SimRequest) -> None:
         self._release(request)

@@ -64,6 +64,7 @@ class SimConfig:
     compat: bool = False
     enable_server_load_tracking: bool = False
     dcgm_gpus: int = 1
+    enable_prefix_caching: bool = True
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
 
@@ -74,6 +75,7 @@ class SimConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
             costs=self.costs,
         )
 
@@ -122,6 +124,7 @@ class SimServer:
             config.block_size,
             config.kv_blocks,
             compat=config.compat,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config())
         self.engine = Engine(
