@@ -58,11 +58,12 @@ def assert_nothing_left(proc: Proc, log_dir: Path, replicas: int = 3) -> str:
     return output
 
 
+@pytest.mark.slow
 def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts: Path) -> None:
     log_dir = artifacts / "fleet"
     proc = spawn(
         seawall_argv(
-            "up", "--demo", "--demo-seconds", "10", "--demo-crash-at", "1",
+            "up", "--demo", "--demo-seconds", "12", "--demo-crash-at", "1",
             "--log-dir", str(log_dir),
         ),
         artifacts / "up.log",

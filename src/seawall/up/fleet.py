@@ -3,7 +3,7 @@ gateway in front of them.
 
 Owns: starting, watching and stopping those processes, in the drain order (traffic is
 stopped by the caller first, then the gateway drains, then the replicas stop), and
-reading the gateway's figures from its `/metrics`.
+reading the gateway's figures (from its metrics registry, or its `/metrics`).
 
 Must not: draw anything (that is `view.py`) or generate traffic (`seawall.loadgen`).
 
