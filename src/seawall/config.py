@@ -66,6 +66,7 @@ class RetryConfig(_Strict):
     budget_min_per_s: Annotated[float, Field(ge=0)] = 1.0  # reserve refill for idle gateways
     budget_reserve_window_s: PositiveSeconds = 10.0  # reserve holds min_per_s * this
     eject_s: PositiveSeconds = 2.0  # a replica refusing connections is skipped this long
+    max_migrations: Annotated[int, Field(ge=0, le=5)] = 2  # mid-stream, for tiers that opt in
 
 
 class HedgeConfig(_Strict):

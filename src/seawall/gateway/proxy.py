@@ -35,11 +35,12 @@ from aiohttp import web
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.gateway.migrate import combined_usage, continuation_body
 from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, Opened, open_attempt
 from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
 from seawall.protocol.openai import ParsedRequest, Route, parse
-from seawall.protocol.sse import DONE_EVENT, Kind, choice_text, classify, usage_of
+from seawall.protocol.sse import DONE_EVENT, Kind, choice_text, classify, event_bytes, usage_of
 
 if TYPE_CHECKING:
     from seawall.gateway.app import Gateway
@@ -72,6 +73,9 @@ class RequestCtx:
     lease: object | None = None
     migrations: int = 0
     migrate: bool = False
+    tokens_before_migration: int = 0  # delivered when the latest continuation began
+    stream_id: str | None = None  # the first upstream's id and created, kept across migrations
+    created: int | None = None
 
     @property
     def deadline(self) -> float:
@@ -402,11 +406,15 @@ class Proxy:
             await resp.prepare(request)
             end = await self._pump(ctx, opened, resp, head=True)
             while end != "done" and self._may_migrate(ctx, end):
+                opened.replica.observe_outcome(False)
                 nxt = await self._continue_elsewhere(ctx, opened.replica)
                 if nxt is None:
                     break
+                opened.replica.streams -= 1
                 self._release(opened.replica, opened)
                 opened = nxt
+                opened.replica.streams += 1
+                ctx.replica = opened.replica.id
                 end = await self._pump(ctx, opened, resp, head=True)
             if end == "done":
                 gw.budget.deposit(clock.monotonic())
@@ -424,7 +432,7 @@ class Proxy:
             await resp.write_eof()
             return resp
         finally:
-            replica.streams -= 1
+            opened.replica.streams -= 1
             self._release(opened.replica, opened)
 
     async def _pump(
@@ -485,33 +493,87 @@ class Proxy:
             return "upstream_reset"
 
     def _filter(self, ctx: RequestCtx, events: list[bytes]) -> bytes:
-        """Event-level relay: capture usage, strip the usage chunk we added, track text."""
+        """Event-level relay: capture usage, strip the usage chunk we added, track the text
+        delivered (for migration), and after a migration present the continuation as the
+        same stream (original id and created, no second role chunk, one usage)."""
         out: list[bytes] = []
+        migrated = ctx.migrations > 0
         for raw in events:
             ev = classify(raw)
-            if ev.kind is Kind.USAGE:
-                ctx.usage = usage_of(ev.obj)
+            obj = ev.obj
+            if ev.kind is Kind.USAGE and obj is not None:
+                usage = usage_of(obj)
+                if migrated and usage is not None:
+                    usage = combined_usage(usage, ctx.tokens_before_migration)
+                ctx.usage = usage
                 if ctx.strip_usage:
                     continue
-            elif ev.kind is Kind.TOKEN and ev.obj is not None:
+                if migrated:
+                    raw = event_bytes(
+                        {**obj, "id": ctx.stream_id, "created": ctx.created, "usage": usage}
+                    )
+            elif ev.kind is Kind.TOKEN and obj is not None:
+                if ctx.stream_id is None:
+                    ctx.stream_id, ctx.created = obj.get("id"), obj.get("created")
                 if ctx.track_text:
-                    for choice in ev.obj["choices"]:
-                        ctx.text += choice_text(choice)
-                    ctx.completion_tokens += 1
-                u = ev.obj.get("usage")
-                if u:
-                    ctx.usage = u
+                    text = "".join(choice_text(c) for c in obj["choices"])
+                    if text:
+                        ctx.text += text
+                        ctx.completion_tokens += 1
+                if migrated:
+                    raw = event_bytes({**obj, "id": ctx.stream_id, "created": ctx.created})
+            elif ev.kind is Kind.PRELUDE and obj is not None:
+                if migrated:
+                    continue  # the continuation's own role chunk: the client has one already
+                if ctx.stream_id is None:
+                    ctx.stream_id, ctx.created = obj.get("id"), obj.get("created")
             elif ev.kind is Kind.DONE:
                 ctx.stage = "done"
             out.append(raw)
         return b"".join(out)
 
-    # Mid-stream migration is filled in by the lifecycle layer; by default nothing migrates.
     def _may_migrate(self, ctx: RequestCtx, end: str) -> bool:
-        return False
+        return (
+            ctx.migrate
+            and end in _MIGRATABLE
+            and ctx.migrations < self.gw.config.retry.max_migrations
+        )
 
     async def _continue_elsewhere(self, ctx: RequestCtx, failed: Replica) -> Opened | None:
-        return None
+        """Open the continuation on another replica, within the retry budget."""
+        gw = self.gw
+        req = ctx.req
+        assert req is not None
+        body = continuation_body(req, ctx.text, ctx.completion_tokens)
+        now = clock.monotonic()
+        if body is None:
+            gw.metrics.migrations.labels("refused").inc()
+            return None
+        if not gw.budget.try_withdraw(now):
+            gw.metrics.retry_budget_exhausted.inc()
+            gw.metrics.migrations.labels("refused").inc()
+            return None
+        tried = {failed.id}
+        while True:
+            replica = self._choose(req.model, clock.monotonic(), tried)
+            if replica is None or clock.monotonic() >= ctx.deadline:
+                gw.metrics.migrations.labels("failed").inc()
+                return None
+            tried.add(replica.id)
+            try:
+                opened = await self._attempt(ctx, replica, body)
+            except AttemptFailed:
+                if len(tried) > gw.config.retry.max_attempts:
+                    gw.metrics.migrations.labels("failed").inc()
+                    return None
+                continue
+            ctx.migrations += 1
+            ctx.attempts += 1
+            ctx.tokens_before_migration = ctx.completion_tokens
+            if not req.include_usage:
+                ctx.strip_usage = True  # the continuation asked for usage; the client did not
+            gw.metrics.migrations.labels("ok").inc()
+            return opened
 
     # -- responses and bookkeeping ------------------------------------------------------
 
@@ -552,6 +614,10 @@ class Proxy:
 def _pass_through(status: int, raw: bytes, content_type: str) -> ApiError:
     """An upstream error relayed as the engine wrote it (already OpenAI-shaped)."""
     return ApiError(status, raw[:200].decode(errors="replace"), raw=raw, content_type=content_type)
+
+
+# Ways a stream can end that another replica can continue from.
+_MIGRATABLE = frozenset({"upstream_reset", "upstream_closed", "itl_timeout"})
 
 
 def _end_message(end: str) -> str:

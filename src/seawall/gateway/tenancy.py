@@ -203,7 +203,7 @@ class TenancyGuard:
         limits = self.limits[ctx.tier]
         if tier.timeouts is not None:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
-        ctx.migrate = tier.migrate
+        ctx.migrate = ctx.track_text = tier.migrate and req.stream
         # 2. tier limits: count only when a limit needs the count.
         needs_count = limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
         prompt_tokens = self.count_prompt(ctx) if needs_count else 0
