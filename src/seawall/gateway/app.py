@@ -145,6 +145,18 @@ class Gateway:
             monitor.add_replica(_spec(replica))
         return replica
 
+    def apply_discovered(self, specs: list[ReplicaSpec]) -> None:
+        """Make the routed set equal a discovered one (a replica's id is its address)."""
+        wanted = {spec.replica_id: spec for spec in specs}
+        for r in self.replicas.all():
+            if r.id not in wanted or wanted[r.id].url != r.url:
+                self.remove_replica(r.id)
+        for spec in specs:
+            if self.replicas.get(spec.replica_id) is None:
+                self.add_replica(
+                    spec.replica_id, spec.url, spec.model or None, spec.node, engine=spec.engine
+                )
+
     def remove_replica(self, replica_id: str) -> None:
         self.replicas.remove(replica_id)
         self.monitor.remove_replica(replica_id)
@@ -244,6 +256,17 @@ class Gateway:
 
             self.monitor.actuator = await KubernetesActuator.from_environment()
         await self.monitor.start()
+        discovery = self.monitor.config.discovery
+        if discovery is not None:
+            from seawall.fleet.discovery import build_discovery
+
+            self.monitor.start_discovery(
+                build_discovery(discovery),
+                discovery.interval_s,
+                discovery.model or "",
+                discovery.engine,
+                apply=self.apply_discovered,
+            )
         self._tasks.append(asyncio.create_task(self._discover_loop()))
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

@@ -65,9 +65,10 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
 
     load_tenancy(config)  # tenants, tiers, rate limits, admission: fail here, not at start
     load_fleet_config(config)
-    if not config.replicas:
+    if not config.replicas and load_fleet_config(config).discovery is None:
         raise ConfigError(
-            "no replicas: pass --replica URL or list them under `replicas:` in --config"
+            "no replicas: pass --replica URL, list them under `replicas:` in --config, "
+            "or configure fleet.discovery"
         )
     return config
 
