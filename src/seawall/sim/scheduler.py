@@ -220,16 +220,21 @@ class Scheduler:
         first_scheduled: list[SimRequest] = []
 
         # 1. running requests first, in order; preempt the newest when blocks run out
+        pool = self.pool
+        bs = cfg.block_size
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed, token_budget)
+            num_new = min(
+                len(request.prompt_ids) + len(request.output_ids) - request.num_computed,
+                token_budget,
+            )
             if num_new <= 0:
                 index += 1
                 continue
-            need = self.blocks_needed(request.num_computed + num_new) - request.num_blocks
+            need = -(-(request.num_computed + num_new) // bs) - len(request.block_ids)
             self_preempted = False
-            while need > self.free_blocks:
+            while need > 0 and need > pool.num_free:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -287,15 +292,16 @@ class Scheduler:
         num_decode = 0
         max_len = cfg.max_model_len
         gen = cfg.gen
+        caching = cfg.enable_prefix_caching
         for request, num_new in scheduled:
             # a recompute after preemption is prefill work too, output tokens included
             is_decode = num_new == 1 and request.num_output > 0 and request.ever_decoded
             if not is_decode:
                 num_prefill += num_new
             request.num_computed += num_new
-            if cfg.enable_prefix_caching:
+            if caching and request.num_computed // bs > request.num_registered:
                 self._register_full_blocks(request)
-            if request.num_computed < request.num_tokens:
+            if request.num_computed < len(request.prompt_ids) + len(request.output_ids):
                 continue  # a prefill chunk: no token yet
             token = textgen.next_token(request.key, request.context_hash, gen)
             request.output_ids.append(token)
