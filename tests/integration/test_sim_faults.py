@@ -90,6 +90,12 @@ def test_crash_after_tokens_cuts_a_stream_mid_way(sim: Proc) -> None:
     assert sim.wait(timeout=10) == 1
 
 
+def test_crash_after_seconds_exits_later_not_now(sim: Proc) -> None:
+    fault(sim, {"kind": "crash", "after_s": 0.5})
+    assert health_status(sim) == 200  # still serving right after the fault is set
+    assert sim.wait(timeout=10) == 1
+
+
 def test_engine_dead_answers_503_and_500_then_exits(sim: Proc) -> None:
     stream = RawStream(sim, {"prompt": "x", "max_tokens": 4000, "ignore_eos": True})
     assert stream.read_until(b"data: ")
