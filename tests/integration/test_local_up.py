@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import socket
 import time
@@ -46,6 +47,13 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def fresh(path: Path) -> Path:
+    """An empty log dir: a reused one keeps its restart ledger, and with it any cordon
+    that earlier runs' restarts earned."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def assert_nothing_left(proc: Proc, log_dir: Path, replicas: int = 3) -> str:
     output = proc.log()
     pids = pids_mentioned(output)
@@ -60,7 +68,7 @@ def assert_nothing_left(proc: Proc, log_dir: Path, replicas: int = 3) -> str:
 
 @pytest.mark.slow
 def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts: Path) -> None:
-    log_dir = artifacts / "fleet"
+    log_dir = fresh(artifacts / "fleet")
     proc = spawn(
         seawall_argv(
             "up", "--demo", "--demo-seconds", "12", "--demo-crash-at", "1",
@@ -86,7 +94,7 @@ def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts:
 
 
 def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
-    log_dir = artifacts / "fleet"
+    log_dir = fresh(artifacts / "fleet")
     config = artifacts / "fleet.yaml"
     config.write_text(
         "fleet: {replicas: 3, model: tiny}\n"
@@ -116,7 +124,7 @@ def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:
 
 def test_replicas_do_not_outlive_a_killed_seawall_up(artifacts: Path) -> None:
     """Even SIGKILL, which allows no cleanup, must not leave engines behind."""
-    log_dir = artifacts / "fleet"
+    log_dir = fresh(artifacts / "fleet")
     config = artifacts / "fleet.yaml"
     config.write_text("fleet: {replicas: 2, model: tiny}\ngateway_mode: process\n")
     proc = spawn(
@@ -145,7 +153,7 @@ def test_replicas_do_not_outlive_a_killed_seawall_up(artifacts: Path) -> None:
 
 def test_the_in_process_gateway_restarts_a_replica_whose_health_fails(artifacts: Path) -> None:
     """The gateway's fleet monitor decides (health failing), the local supervisor acts."""
-    log_dir = artifacts / "fleet"
+    log_dir = fresh(artifacts / "fleet")
     config = artifacts / "fleet.yaml"
     command = '["' + '", "'.join([*DEFAULT_COMMAND, "--enable-faults"]) + '"]'
     config.write_text(f"fleet: {{replicas: 1, model: tiny, command: {command}}}\n")
@@ -184,14 +192,22 @@ def test_without_a_gateway_traffic_goes_to_each_replica_directly(artifacts: Path
         "fleet: {replicas: 2, model: tiny}\ngateway: null\ntraffic: {concurrency: 2}\n"
     )
     proc = spawn(
-        seawall_argv("up", "--config", str(config), "--seconds", "5", "--log-dir", str(artifacts)),
+        seawall_argv(
+            "up",
+            "--config",
+            str(config),
+            "--seconds",
+            "5",
+            "--log-dir",
+            str(fresh(artifacts / "fleet")),
+        ),
         artifacts / "up.log",
     )
     try:
         assert proc.wait(timeout=60) == 0, proc.log()[-4000:]
     finally:
         proc.stop()
-    output = assert_nothing_left(proc, artifacts, replicas=2)
+    output = assert_nothing_left(proc, artifacts / "fleet", replicas=2)
     assert "gateway: (no gateway: gateway is null in the config)" in output
     target = re.search(r"traffic started → (\S+), (\S+)$", output, re.M)
     assert target, output[-3000:]
@@ -207,7 +223,7 @@ def test_a_busy_gateway_port_is_a_clear_error_and_nothing_is_left(artifacts: Pat
         proc = spawn(
             seawall_argv(
                 "up", "--demo", "--demo-seconds", "30", "--gateway-port", str(port),
-                "--log-dir", str(artifacts),
+                "--log-dir", str(fresh(artifacts / "fleet")),
             ),
             artifacts / "up.log",
         )  # fmt: skip

@@ -43,6 +43,7 @@ SNAP = UpSnapshot(
     ),
     traffic_target="http://127.0.0.1:8080",
     events=("5s r1 exited (exited with code 1)",),
+    routing={"r0": "ready", "r1": "dead (not routed)"},
 )
 
 
@@ -59,6 +60,7 @@ def test_the_live_table_shows_each_replica_and_the_traffic() -> None:
     assert all(cell in r0 for cell in ("9000", "running", "101", "1m15s"))
     r1 = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("r1"))
     assert "backoff" in r1 and " 2 " in r1 and "exited with code 1" in r1
+    assert "ready" in r0 and "dead (not routed)" in r1  # the gateway's view, beside ours
     assert "answered ok 90, failed 1" in text and "retries 3" in text
     assert "ok 93, failed 1, dropped 1" in text and "251 tokens/s" in text
     assert "r1 exited" in text
@@ -77,7 +79,7 @@ def test_without_a_gateway_the_view_says_why() -> None:
 def test_the_plain_line_has_every_replica_and_the_figures() -> None:
     line = plain_line(SNAP)
     assert "\n" not in line
-    assert "r0 running pid=101 port=9000 restarts=0" in line
+    assert "r0 running pid=101 port=9000 restarts=0 routing=ready" in line
     assert "r1 backoff pid=- port=9001 restarts=2" in line
     assert "TTFT p50 19ms p99 40ms" in line
 

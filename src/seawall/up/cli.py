@@ -45,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gateway-port", type=int, metavar="PORT", help="default: a free port")
     p.add_argument(
-        "--log-dir", metavar="DIR", help="replica and gateway logs (default: a temp dir)"
+        "--log-dir",
+        metavar="DIR",
+        help="logs and the restart ledger (default: a new temp dir). Reusing a dir keeps "
+        "its restart history, so a node cordoned there stays cordoned",
     )
     p.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
 

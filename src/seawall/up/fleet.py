@@ -63,6 +63,11 @@ class GatewayRunner(Protocol):
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None: ...
 
+    def routing(self) -> dict[str, str]:
+        """Replica id -> the fleet monitor's state for it (ready, degraded, cordoned...),
+        where this runner can see the monitor; {} where it cannot."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -126,6 +131,9 @@ class GatewayProcess:
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
         self.supervisor.subscribe(listener)
+
+    def routing(self) -> dict[str, str]:
+        return {}  # the monitor is in the other process
 
     async def close(self) -> None:
         await self.supervisor.close()
@@ -214,6 +222,14 @@ class InProcessGateway:
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
         return None  # no process of its own, so no process events
+
+    def routing(self) -> dict[str, str]:
+        if self.gateway is None:
+            return {}
+        views = self.gateway.monitor.snapshot().replicas
+        return {
+            rid: v.state if v.routable else f"{v.state} (not routed)" for rid, v in views.items()
+        }
 
     async def close(self) -> None:
         """Drain (in-flight requests finish, up to the drain timeout), then close. The

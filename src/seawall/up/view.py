@@ -8,7 +8,7 @@ clock; the snapshot carries the elapsed time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -31,6 +31,7 @@ class UpSnapshot:
     traffic: TrafficFigures | None = None
     traffic_target: str = ""
     events: tuple[str, ...] = ()  # the latest notable events, oldest first
+    routing: dict[str, str] = field(default_factory=dict)  # replica id -> monitor state
     title: str = "seawall up"
 
 
@@ -83,13 +84,14 @@ def render(snap: UpSnapshot) -> RenderableType:
         title_justify="left",
         expand=False,
     )
-    for column in ("replica", "port", "state", "pid", "restarts", "uptime", "note"):
+    for column in ("replica", "port", "process", "routing", "pid", "restarts", "uptime", "note"):
         table.add_column(column, justify="right" if column in ("restarts", "uptime") else "left")
     for r in snap.replicas:
         table.add_row(
             r.replica_id,
             str(r.port),
             Text(r.state, style=STATE_STYLE.get(r.state, "")),
+            snap.routing.get(r.replica_id, "-"),
             str(r.pid or "-"),
             str(r.restarts),
             duration(r.uptime_s) if r.pid else "-",
@@ -111,6 +113,7 @@ def plain_line(snap: UpSnapshot) -> str:
     """One line per tick when stdout is not a terminal (CI logs, pipes)."""
     replicas = "; ".join(
         f"{r.replica_id} {r.state} pid={r.pid or '-'} port={r.port} restarts={r.restarts}"
+        + (f" routing={snap.routing[r.replica_id]}" if r.replica_id in snap.routing else "")
         for r in snap.replicas
     )
     parts = [
