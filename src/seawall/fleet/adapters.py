@@ -17,6 +17,7 @@ test checks that both parsers read the same values from that scrape.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -50,6 +51,8 @@ class Adapter:
     preemptions_total: str | None
     generation_tokens_total: str | None
     prompt_tokens_total: str | None
+    # An info gauge whose labels give the KV cache's size (vLLM's cache_config_info).
+    kv_config: str | None = None
 
     def metric_names(self) -> tuple[str, ...]:
         names = (
@@ -64,6 +67,7 @@ class Adapter:
 
     def parse(self, text: str, scraped_at: float = 0.0) -> EngineLoad:
         values = _collect(text, frozenset(self.metric_names()))
+        capacity = _kv_capacity_tokens(text, self.kv_config) if self.kv_config else None
 
         def get(name: str | None, how: str = SUM) -> float | None:
             if name is None:
@@ -81,6 +85,7 @@ class Adapter:
             preemptions_total=get(self.preemptions_total),
             generation_tokens_total=get(self.generation_tokens_total),
             prompt_tokens_total=get(self.prompt_tokens_total),
+            kv_capacity_tokens=capacity,
             scraped_at=scraped_at,
         )
 
@@ -95,6 +100,7 @@ ADAPTERS: Mapping[EngineKind, Adapter] = {
         preemptions_total="vllm:num_preemptions_total",
         generation_tokens_total="vllm:generation_tokens_total",
         prompt_tokens_total="vllm:prompt_tokens_total",
+        kv_config="vllm:cache_config_info",
     ),
     EngineKind.VLLM_LEGACY: Adapter(
         EngineKind.VLLM_LEGACY,
@@ -104,6 +110,7 @@ ADAPTERS: Mapping[EngineKind, Adapter] = {
         preemptions_total="vllm:num_preemptions_total",
         generation_tokens_total="vllm:generation_tokens_total",
         prompt_tokens_total="vllm:prompt_tokens_total",
+        kv_config="vllm:cache_config_info",
     ),
     EngineKind.SGLANG: Adapter(
         EngineKind.SGLANG,
@@ -218,3 +225,25 @@ def _parse_line(line: str, wanted: frozenset[str]) -> tuple[str, str, float] | N
     if math.isnan(value):
         return None
     return name, labels, value
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _kv_capacity_tokens(text: str, info_name: str) -> float | None:
+    """Usable KV tokens from vLLM's cache_config_info labels, summed over engines.
+
+    vLLM keeps one block as the null block (`BlockPool.get_usage` divides by
+    num_gpu_blocks - 1), so that block holds no tokens.
+    """
+    total = 0.0
+    found = False
+    for labels, _ in parse_labelled(text, frozenset({info_name})).get(info_name, []):
+        fields = dict(_LABEL.findall(labels))
+        try:
+            blocks, block_size = int(fields["num_gpu_blocks"]), int(fields["block_size"])
+        except (KeyError, ValueError):
+            continue
+        total += max(blocks - 1, 0) * block_size
+        found = True
+    return total if found else None

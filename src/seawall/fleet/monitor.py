@@ -947,6 +947,7 @@ def _load_dict(load: EngineLoad | None) -> dict[str, float | None] | None:
         "preemptions_total": load.preemptions_total,
         "generation_tokens_total": load.generation_tokens_total,
         "prompt_tokens_total": load.prompt_tokens_total,
+        "kv_capacity_tokens": load.kv_capacity_tokens,
     }
 
 

@@ -24,6 +24,7 @@ class EngineLoad:
     preemptions_total: float | None = None
     generation_tokens_total: float | None = None
     prompt_tokens_total: float | None = None
+    kv_capacity_tokens: float | None = None  # usable KV cache, in tokens (vLLM cache config)
     scraped_at: float = 0.0  # monotonic seconds
 
 

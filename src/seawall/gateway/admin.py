@@ -101,6 +101,7 @@ class Admin:
                 }
                 view = gw.replicas.view(r, gw.replicas.snapshot())
                 reason = gw.replicas.saturation(r, view, now)
+                item["reserved_kv_tokens"] = r.reserved_tokens
                 item["saturated"] = reason is not None
                 item["saturation_reason"] = reason
             item["cordoned"] = any(

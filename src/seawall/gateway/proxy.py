@@ -73,6 +73,7 @@ class RequestCtx:
     lease: object | None = None
     migrations: int = 0
     migrate: bool = False
+    reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     stream_id: str | None = None  # the first upstream's id and created, kept across migrations
     created: int | None = None
@@ -208,6 +209,7 @@ class Proxy:
             clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, ctx.req.stream
         )
         replica.inflight += 1
+        replica.reserved_tokens += ctx.reserve_tokens
         gw.metrics.inflight.labels(replica.id).inc()
         ok = False
         try:
@@ -231,6 +233,7 @@ class Proxy:
         finally:
             if not ok:
                 replica.inflight -= 1
+                replica.reserved_tokens -= ctx.reserve_tokens
                 gw.metrics.inflight.labels(replica.id).dec()
 
     def _attempt_failed(self, replica: Replica, f: AttemptFailed) -> None:
@@ -365,7 +368,7 @@ class Proxy:
                 headers={"X-Request-Id": ctx.request_id},
             )
         finally:
-            self._release(replica, opened)
+            self._release(replica, opened, ctx)
 
     def _attempt_ok(self, replica: Replica, ctx: RequestCtx, opened: Opened) -> None:
         gw = self.gw
@@ -376,9 +379,10 @@ class Proxy:
         if gw.admin is not None and len(gw.recent_ttft_s) < 10_000:
             gw.recent_ttft_s.append(ttft)
 
-    def _release(self, replica: Replica, opened: Opened) -> None:
+    def _release(self, replica: Replica, opened: Opened, ctx: RequestCtx) -> None:
         opened.close()
         replica.inflight -= 1
+        replica.reserved_tokens -= ctx.reserve_tokens
         self.gw.metrics.inflight.labels(replica.id).dec()
 
     async def _relay(
@@ -411,7 +415,7 @@ class Proxy:
                 if nxt is None:
                     break
                 opened.replica.streams -= 1
-                self._release(opened.replica, opened)
+                self._release(opened.replica, opened, ctx)
                 opened = nxt
                 opened.replica.streams += 1
                 ctx.replica = opened.replica.id
@@ -433,7 +437,7 @@ class Proxy:
             return resp
         finally:
             opened.replica.streams -= 1
-            self._release(opened.replica, opened)
+            self._release(opened.replica, opened, ctx)
 
     async def _pump(
         self, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse, head: bool

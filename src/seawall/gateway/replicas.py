@@ -29,6 +29,7 @@ class Replica:
     api_key: str | None = None
     engine: str = "auto"
     inflight: int = 0
+    reserved_tokens: int = 0  # prompt + max_tokens of requests in flight (KV admission)
     streams: int = 0  # streaming responses being relayed now
     chunks_relayed: int = 0
     ejected_until: float = 0.0

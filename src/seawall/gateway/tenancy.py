@@ -31,6 +31,7 @@ from seawall.gateway.replicas import Replica
 from seawall.policy.admission import (
     AdmissionThresholds,
     Queue,
+    kv_reservation_full,
     on_fleet_saturated,
     replica_saturated,
 )
@@ -121,6 +122,10 @@ class AdmissionConfig(_Strict):
     preemption_rate_max_per_s: Annotated[float, Field(gt=0)] = 2.0
     metrics_max_age_s: Annotated[float, Field(gt=0)] = 5.0
     inflight_max: Annotated[int, Field(ge=1)] | None = None  # per replica, gateway's own count
+    # In-flight prompt + max_tokens may reserve this fraction of a replica's KV cache (read
+    # from vLLM's cache_config_info); 1.0 = no preemption even if all run to max_tokens,
+    # more overcommits on requests stopping early; null disables. See policy/admission.py.
+    kv_reserve_max: Annotated[float, Field(gt=0)] | None = 1.0
     queue_max: Annotated[int, Field(ge=0)] = 64
     queue_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     lowest_priority_to_queue: Annotated[int, Field(ge=0)] = 0
@@ -205,7 +210,10 @@ class TenancyGuard:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
         ctx.migrate = ctx.track_text = tier.migrate and req.stream
         # 2. tier limits: count only when a limit needs the count.
-        needs_count = limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
+        reserve = self.admission.enabled and self.admission.kv_reserve_max is not None
+        needs_count = (
+            reserve or limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
+        )
         prompt_tokens = self.count_prompt(ctx) if needs_count else 0
         requested = req.requested_max_tokens()
         decision = check_request(
@@ -216,6 +224,8 @@ class TenancyGuard:
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
         if decision.max_tokens != requested:
             req.set(req.max_tokens_field(), decision.max_tokens)
+        if reserve:
+            ctx.reserve_tokens = prompt_tokens + decision.max_tokens
         # 3. tenant rates and concurrency
         if limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent:
             # Shielded: if the client leaves while a shared backend runs the acquire, the
@@ -352,7 +362,11 @@ class TenancyGuard:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         rate = self._preemption_rate(replica.id, load)
-        return replica_saturated(load, replica.inflight, rate, now, self.thresholds)
+        return replica_saturated(
+            load, replica.inflight, rate, now, self.thresholds
+        ) or kv_reservation_full(
+            replica.reserved_tokens, load.kv_capacity_tokens, self.admission.kv_reserve_max
+        )
 
     def _preemption_rate(self, replica_id: str, load: EngineLoad) -> float | None:
         total = load.preemptions_total
