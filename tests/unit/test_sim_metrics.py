@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seawall.sim.metrics import SimMetrics, build_1_2_5_buckets
-
-GOLDEN = Path("/work/shared/reference/vllm-0.33.0-metrics.txt")
-REPO_GOLDEN = Path(__file__).resolve().parents[1] / "data" / "vllm-0.33.0-metrics.txt"
+from tests.support.golden import GOLDEN_SCRAPE
 
 
 def _families(text: str) -> dict[str, tuple[str, str, frozenset[str], tuple[str, ...]]]:
@@ -28,10 +23,7 @@ def _families(text: str) -> dict[str, tuple[str, str, frozenset[str], tuple[str,
 
 
 def _golden_text() -> str:
-    for path in (REPO_GOLDEN, GOLDEN):
-        if path.exists():
-            return path.read_text()
-    pytest.skip("the vLLM 0.33.0 reference scrape is not available")
+    return GOLDEN_SCRAPE.read_text()
 
 
 def test_every_core_vllm_family_matches_the_reference_scrape() -> None:

@@ -90,7 +90,7 @@ class Adapter:
         )
 
 
-# Names per /work/shared/reference/engines.md §1.2 (vLLM 0.33), §1.4 (renames), §4 (others).
+# Names per docs/engines-reference.md §1.2 (vLLM 0.33), §1.4 (renames), §4 (others).
 ADAPTERS: Mapping[EngineKind, Adapter] = {
     EngineKind.VLLM: Adapter(
         EngineKind.VLLM,

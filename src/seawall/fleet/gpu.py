@@ -32,7 +32,7 @@ class XidAction(StrEnum):
 # - NVIDIA "A100 GPU memory error management" for row remapping and recovery actions.
 # - Operator runbooks (plexus.company, ai-infrastructure.net, Modal's GPU-health page) for
 #   48/79/94/95, whose catalog rows could not be read directly; see
-#   /work/shared/reference/engines.md §6. Re-check against the catalog when it changes.
+#   docs/engines-reference.md §6. Re-check against the catalog when it changes.
 XID_ACTIONS: Mapping[int, XidAction] = {
     13: XidAction.RESTART_APP,  # Graphics Engine Exception
     31: XidAction.RESTART_APP,  # GPU memory page fault

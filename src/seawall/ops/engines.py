@@ -35,7 +35,7 @@ class EngineNames:
     ttft_seconds: str | None = None  # histogram family: engine-side time to first token
 
 
-# Names per /work/shared/reference/engines.md: §1.2 (vLLM 0.33), §4 (the others).
+# Names per docs/engines-reference.md: §1.2 (vLLM 0.33), §4 (the others).
 ENGINE_NAMES: Mapping[str, EngineNames] = {
     "vllm": EngineNames(
         engine="vllm",
