@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -58,8 +59,10 @@ MIN_BASELINE_S = 1.0
 # Load shapes of the scenarios that are extra load rather than a fault.
 OVERLOAD_FACTOR = 8  # concurrency multiple: well over what a small fleet serves
 STORM_FACTOR = 4
-STORM_PROMPT_TOKENS = 1024  # long prompts and answers fill the KV cache and preempt
-STORM_MAX_TOKENS = 512
+# Long prompts and answers fill the KV cache and preempt, but each must still fit the
+# model's context, or the engine refuses it (400) and nothing is stored at all.
+STORM_CONTEXT_SHARE = 0.6  # of max_model_len, prompt and answer together
+DEFAULT_MAX_MODEL_LEN = 4096  # when the replica does not say (vLLM's /v1/models does)
 CRASH_AFTER_TOKENS = 8  # tokens generated after the fault is armed: streams have begun
 
 
@@ -93,8 +96,10 @@ class DrillReport:
     fault: dict[str, Any] | None
     baseline_s: float
     fault_s: float
-    baseline: PhaseFigures
-    during: PhaseFigures
+    baseline: PhaseFigures  # the steady load, before the fault
+    during: PhaseFigures  # the steady load, from the fault on
+    burst: PhaseFigures | None  # overload and storm: the extra load itself
+    errors: dict[str, int]  # what failed or dropped requests said, most common first
     streams_dropped: int
     requests_failed: int
     requests: int
@@ -218,6 +223,7 @@ class Drill:
         self.crash_after_tokens = crash_after_tokens
         self.log = log or (lambda _line: None)
         self.samples: list[Sample] = []
+        self.burst: list[RequestResult] = []  # the extra load of overload and storm
         self.notes: list[str] = []
 
     # -- HTTP -------------------------------------------------------------------------
@@ -252,6 +258,14 @@ class Drill:
                 return True
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    async def _max_model_len(self, session: aiohttp.ClientSession, replica_url: str) -> int:
+        try:
+            async with session.get(f"{replica_url}/v1/models") as r:
+                body = orjson.loads(await r.read())
+            return int(body["data"][0]["max_model_len"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return DEFAULT_MAX_MODEL_LEN
 
     async def _health(self, session: aiohttp.ClientSession, replica_url: str) -> int:
         try:
@@ -357,8 +371,9 @@ class Drill:
             await _sleep_until(deadline, load)
         finally:
             # Bounded either way: the load stops by itself at load_s + grace_s.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(load), timeout=grace_s + 1.0)
+            for task in [load] + ([extra] if extra is not None else []):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(task), timeout=grace_s + 1.0)
             stop.set()
             tasks = [watcher, load] + ([extra] if extra is not None else [])
             for task in tasks:
@@ -386,7 +401,8 @@ class Drill:
             for r in final.get("replicas", [])
         }
         self._explain(target, final, preemptions, detection_s, cleared)
-        all_results = before + during
+        all_results = before + during + self.burst
+        errors = Counter(r.error for r in all_results if r.error)
         return DrillReport(
             scenario=self.scenario,
             target=None if fleet_wide else str(target["id"]),
@@ -397,6 +413,8 @@ class Drill:
             fault_s=end - inject_at,
             baseline=phase_figures(before),
             during=phase_figures(during),
+            burst=phase_figures(self.burst) if self.burst else None,
+            errors=dict(errors.most_common(5)),
             streams_dropped=sum(1 for r in all_results if r.outcome == "dropped"),
             requests_failed=sum(1 for r in all_results if r.outcome == "failed"),
             requests=len(all_results),
@@ -440,6 +458,12 @@ class Drill:
                 return fault, None
             case "preemption-storm" | "overload":
                 storm = self.scenario == "preemption-storm"
+                prompt_tokens, max_tokens = self.prompt_tokens, self.max_tokens * 2
+                if storm:
+                    context = await self._max_model_len(session, target["url"])
+                    # make_prompt's words are about two tokens each in the sim's tokenizer
+                    prompt_tokens = int(context * STORM_CONTEXT_SHARE / 2 / 2)
+                    max_tokens = int(context * STORM_CONTEXT_SHARE / 2)
                 concurrency = self.concurrency * (STORM_FACTOR if storm else OVERLOAD_FACTOR)
                 extra = asyncio.create_task(
                     run_load(
@@ -448,9 +472,10 @@ class Drill:
                         concurrency=concurrency,
                         duration_s=remaining_s,
                         max_requests=self._max_requests(concurrency, remaining_s),
-                        prompt_tokens=STORM_PROMPT_TOKENS if storm else self.prompt_tokens,
-                        max_tokens=STORM_MAX_TOKENS if storm else self.max_tokens * 2,
+                        prompt_tokens=prompt_tokens,
+                        max_tokens=max_tokens,
                         api_key=self.api_key,
+                        on_result=self.burst.append,
                         grace_s=0.5,
                     )
                 )
@@ -543,7 +568,8 @@ class Drill:
         if self.scenario == "preemption-storm" and not any(v > 0 for v in preemptions.values()):
             self.notes.append(
                 "no preemptions happened: the KV cache never filled. Start the sims with a "
-                "small --kv-blocks (e.g. `seawall sim --kv-blocks 64`) to drill a storm"
+                "small KV cache (e.g. `seawall sim --kv-blocks 160 --max-model-len 2048`) "
+                "to drill a storm"
             )
         if self.scenario == "crash-mid-stream" and cleared:
             self.notes.append(

@@ -91,6 +91,8 @@ def render(report: DrillReport, console: Console) -> None:
     )
     t.add_row(f"before ({report.baseline_s:.1f} s)", _phase(report.baseline))
     t.add_row(f"during ({report.fault_s:.1f} s)", _phase(report.during))
+    if report.burst is not None:
+        t.add_row("extra load", _phase(report.burst))
     t.add_row("shed rate", f"{report.shed_per_s:.2f}/s")
     if report.preemptions:
         t.add_row(
@@ -102,6 +104,8 @@ def render(report: DrillReport, console: Console) -> None:
     if report.fault is not None:
         t.add_row("fault cleared", "yes" if report.cleared else "no")
     console.print(t)
+    for error, count in report.errors.items():
+        console.print(f"error x{count}: {error}")
     for note in report.notes:
         console.print(f"note: {note}")
 
