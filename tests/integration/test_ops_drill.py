@@ -68,24 +68,23 @@ def test_hang_drill_reports_detection_and_bounded_failures(artifacts: Path) -> N
     gw, admin = admin_gateway(artifacts, [a, b])
     with running(gw, a, b):
         wait_until(lambda: all_routable(admin), 10, interval=0.2, what="both routable")
-        out = drill(
-            admin, "hang", "--target", "r0", "--duration", "8", "--concurrency", "4", "--json"
-        )
+        out = drill(admin, "hang", "--duration", "8", "--concurrency", "4", "--json")
         report = report_of(out)
         (artifacts / "hang-report.json").write_text(out.stdout)
-        assert report["target"] == "r0" and report["fault"]["kind"] == "hang"
+        target = report["target"]  # the replica that carried streams at injection
+        assert target in ("r0", "r1") and report["fault"]["kind"] == "hang"
         # /health kept answering 200: the hang is invisible to a liveness probe ...
         assert report["health_during_fault"] == 200
         # ... and still the fleet took the replica out within a few probe intervals.
         assert report["detection_s"] is not None and 0 <= report["detection_s"] < 4.0
-        assert "r0" in report["detected_as"]
+        assert report["detected_as"].startswith(target)
         assert report["baseline"]["requests"] > 0 and report["baseline"]["failed"] == 0
         # Retries before the first token hide the hang from most users: at most the
         # streams that were on r0 at the moment (one per load worker) can be hurt.
         assert report["requests_failed"] + report["streams_dropped"] <= 4
         assert report["during"]["ok"] > 0
         assert report["cleared"] is True
-        wait_until(lambda: all_routable(admin), 15, interval=0.2, what="r0 back after clear")
+        wait_until(lambda: all_routable(admin), 15, interval=0.2, what="back after clear")
 
 
 def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts: Path) -> None:
@@ -96,8 +95,6 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         out = drill(
             admin,
             "crash-mid-stream",
-            "--target",
-            "r1",
             "--duration",
             "6",
             "--concurrency",
@@ -108,7 +105,8 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         )
         report = report_of(out)
         (artifacts / "crash-report.json").write_text(out.stdout)
-        assert not b.alive()  # the crash was real
+        crashed, survivor = (a, b) if report["target"] == "r0" else (b, a)
+        assert not crashed.alive() and survivor.alive()  # the crash was real, and only one
         assert report["baseline"]["dropped"] == 0
         inflight = report["target_inflight_at_fault"]
         assert inflight is not None and inflight >= 1
@@ -120,8 +118,8 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         assert report["cleared"] is False
         assert any("process is gone" in n for n in report["notes"])
 
-        table = drill(admin, "crash-mid-stream", "--target", "r1", "--duration", "3")
-        assert table.returncode == 2 and "r1" in table.stderr  # gone: refused, not faked
+        again = drill(admin, "crash-mid-stream", "--target", report["target"], "--duration", "3")
+        assert again.returncode == 2 and report["target"] in again.stderr  # gone: not faked
 
 
 def test_rolling_restart_says_the_rollout_endpoint_is_missing(artifacts: Path) -> None:

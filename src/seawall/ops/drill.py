@@ -173,6 +173,16 @@ def pick_target(state: dict[str, Any], wanted: str | None) -> dict[str, Any]:
     return max(routable, key=lambda r: peers[r["id"]])
 
 
+def busiest(state: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The routable replica of `model` with the most streams in flight now. The balancer
+    may send all of a light load to one replica; a fault on an idle one measures nothing."""
+    routable = [
+        r for r in state.get("replicas") or () if r.get("routable") and r.get("model") == model
+    ]
+    routable.sort(key=lambda r: str(r["id"]))
+    return max(routable, key=lambda r: int(r.get("inflight") or 0), default=None)
+
+
 def noticed(scenario: Scenario, before: dict[str, Any], now: dict[str, Any]) -> str | None:
     """What the admin API shows that a replica has changed, or None."""
     if now.get("state") != before.get("state") or (
@@ -223,6 +233,7 @@ class Drill:
         self.crash_after_tokens = crash_after_tokens
         self.log = log or (lambda _line: None)
         self.samples: list[Sample] = []
+        self.health_url: str | None = None  # the faulted replica, watched from injection
         self.burst: list[RequestResult] = []  # the extra load of overload and storm
         self.notes: list[str] = []
 
@@ -281,7 +292,9 @@ class Drill:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             return await self._run(session)
 
-    async def _preflight(self, session: aiohttp.ClientSession, target: dict[str, Any]) -> None:
+    async def _preflight(
+        self, session: aiohttp.ClientSession, state: dict[str, Any], target: dict[str, Any]
+    ) -> None:
         if self.scenario == "rolling-restart":
             # GET is harmless: aiohttp answers 405 for a POST-only route that exists and
             # 404 for none, so the drill learns which without starting a rollout.
@@ -302,17 +315,31 @@ class Drill:
                 )
             return
         if self.scenario in ("crash-mid-stream", "hang"):
-            url = target["url"]
-            try:
-                async with session.get(f"{url}/sim/state") as r:
-                    status = r.status
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise DrillError(f"cannot reach replica {target['id']} at {url}: {e}") from None
-            if status != 200:
-                raise DrillError(
-                    f"replica {target['id']} ({url}) takes no faults: this drill needs "
-                    "`seawall sim --enable-faults` replicas"
-                )
+            # Without --target the fault goes to the busiest replica at injection time,
+            # so every candidate must take faults.
+            candidates = (
+                [target]
+                if self.wanted_target is not None
+                else [
+                    r
+                    for r in state["replicas"]
+                    if r.get("routable") and r.get("model") == target.get("model")
+                ]
+            )
+            for replica in candidates:
+                url = replica["url"]
+                try:
+                    async with session.get(f"{url}/sim/state") as r:
+                        status = r.status
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    raise DrillError(
+                        f"cannot reach replica {replica['id']} at {url}: {e}"
+                    ) from None
+                if status != 200:
+                    raise DrillError(
+                        f"replica {replica['id']} ({url}) takes no faults: this drill needs "
+                        "`seawall sim --enable-faults` replicas"
+                    )
 
     async def _run(self, session: aiohttp.ClientSession) -> DrillReport:
         started = clock.monotonic()
@@ -323,7 +350,7 @@ class Drill:
             raise DrillError("the admin API does not say where the OpenAI API listens (api_url)")
         target = pick_target(state, self.wanted_target)
         model = str(target.get("model") or "")
-        await self._preflight(session, target)
+        await self._preflight(session, state, target)
         fleet_wide = self.scenario in ("preemption-storm", "overload", "rolling-restart")
         before_replicas = {r["id"]: r for r in state["replicas"]}
         metrics_before = await self._metrics(session, api_url)
@@ -350,10 +377,7 @@ class Drill:
                 stop=stop,
             )
         )
-        watch_health = self.scenario in ("crash-mid-stream", "hang")
-        watcher = asyncio.create_task(
-            self._watch(session, target["url"] if watch_health else None, deadline)
-        )
+        watcher = asyncio.create_task(self._watch(session, deadline))
         extra: asyncio.Task[Any] | None = None
         fault: dict[str, Any] | None = None
         inject_at = started
@@ -363,6 +387,12 @@ class Drill:
                 f"baseline: {baseline_s:.1f} s of steady load at concurrency {self.concurrency}"
             )
             await _sleep_until(started + baseline_s, load)
+            if self.scenario in ("crash-mid-stream", "hang"):
+                if self.wanted_target is None:
+                    now_state = await self._get_json(session, "/admin/state")
+                    target = busiest(now_state, model) or target
+                    before_replicas = {r["id"]: r for r in now_state["replicas"]}
+                self.health_url = target["url"]
             inject_at = clock.monotonic()
             fault, extra = await self._inject(session, api_url, model, target, deadline)
             self.log(f"injected {self.scenario} at +{inject_at - started:.1f} s")
@@ -499,13 +529,13 @@ class Drill:
                 return None, None
         raise DrillError(f"unknown scenario {self.scenario!r}")
 
-    async def _watch(
-        self, session: aiohttp.ClientSession, health_url: str | None, deadline: float
-    ) -> None:
-        """Sample the admin API (and the target's /health) until the deadline."""
+    async def _watch(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        """Sample the admin API (and, once chosen, the target's /health) until the
+        deadline."""
         while clock.monotonic() < deadline:
             t = clock.monotonic()
-            health = await self._health(session, health_url) if health_url else None
+            url = self.health_url
+            health = await self._health(session, url) if url is not None else None
             with contextlib.suppress(DrillError):
                 state = await self._get_json(session, "/admin/state")
                 self.samples.append(Sample(t, {r["id"]: r for r in state["replicas"]}, health))
