@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "seawall.gateway.engine_args",
         "print the vLLM flags that back the gateway's limits up inside the engine",
     ),
+    "rollout": ("seawall.gateway.rollout_cli", "surge-first rolling restart of every replica"),
     "status": ("seawall.gateway.status_cli", "print a running gateway's fleet as a table"),
     "sim": ("seawall.sim.cli", "run a CPU-only engine emulator faithful to vLLM 0.33"),
     "keys": ("seawall.keys_cli", "mint a tenant's API key (printed once; only its hash is kept)"),
@@ -39,7 +40,8 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="seawall", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"seawall {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # `dest` is unlikely to clash with a subcommand's own option names (`--command`).
+    sub = parser.add_subparsers(dest="seawall_command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if wanted == name:
@@ -54,7 +56,7 @@ def _wanted_command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_wanted_command(args_list)).parse_args(args_list)
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = importlib.import_module(COMMANDS[args.seawall_command][0])
     result: int = module.run(args)
     return result
 

@@ -200,6 +200,9 @@ class FleetMonitor:
             n.cordoned, n.since_wall, n.evidence = True, record.since_wall, record.evidence
             if self.metrics is not None:
                 self.metrics.node_cordoned.labels(node).set(1)
+            # The actuator must know too: a local supervisor would otherwise restart
+            # replicas on a node the ledger says is cordoned.
+            await self.actuator.cordon(node, record.evidence or Evidence(node, ("restored",)))
         pending, self._pending = self._pending, []
         for spec in pending:
             self.add_replica(spec)

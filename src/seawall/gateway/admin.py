@@ -8,6 +8,9 @@ the levers. Routes:
     GET  /admin/history                    the last minutes of budget, shed rate, TTFT
     POST /admin/replicas/{id}/drain        stop new work (?restart=1: then restart it)
     POST /admin/replicas/{id}/undrain
+    POST /admin/replicas/{id}/stop         drain, then stop through the actuator
+    POST /admin/rollout                    surge-first rolling restart (local actuator)
+    GET  /admin/rollout                    its progress and report
     POST /admin/nodes/{node}/cordon
     POST /admin/nodes/{node}/uncordon
     GET  /status                           the status page (static; it asks for the token)
@@ -57,6 +60,8 @@ class Admin:
         self.history: deque[dict[str, float | None]] = deque(maxlen=HISTORY_POINTS)
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self._rollout: asyncio.Task[Any] | None = None
+        self._rollout_obj: Any = None
         self.port: int | None = None
         token_hash = gw.config.admin.token_hash
         self._token_hash = token_hash.encode() if token_hash else None
@@ -176,6 +181,9 @@ class Admin:
         app.router.add_get("/admin/history", self._get_history)
         app.router.add_post("/admin/replicas/{id}/{action:drain|undrain}", self._replica_action)
         app.router.add_post("/admin/nodes/{node}/{action:cordon|uncordon}", self._node_action)
+        app.router.add_post("/admin/replicas/{id}/stop", self._replica_stop)
+        app.router.add_post("/admin/rollout", self._start_rollout)
+        app.router.add_get("/admin/rollout", self._get_rollout)
         app.router.add_get("/status", self._status_page)
         app.router.add_get("/", self._status_page)
         return app
@@ -199,6 +207,50 @@ class Admin:
             replica.draining = False
             self.gw.monitor.undrain(rid)
         return _json({"replica": rid, "action": action, "ok": True})
+
+    async def _replica_stop(self, request: web.Request) -> web.Response:
+        """Drain then stop: no new work, in-flight finishes up to `timeout_s`, then the
+        actuator stops the replica (SIGTERM, SIGKILL after `grace_s`)."""
+        rid = request.match_info["id"]
+        try:
+            timeout_s = float(request.query.get("timeout_s", self.gw.config.drain.timeout_s))
+            grace_s = float(request.query.get("grace_s", 10.0))
+        except ValueError:
+            return _err(ApiError(400, "timeout_s and grace_s must be numbers."))
+        try:
+            report = await self.gw.drain_replica(rid, timeout_s, grace_s)
+        except KeyError:
+            return _err(ApiError(404, f"No replica {rid!r}.", param="id"))
+        return _json({"replica": rid, "streams_cut": report.streams_cut, "exited": report.exited})
+
+    async def _start_rollout(self, request: web.Request) -> web.Response:
+        from seawall.gateway.rollout import Rollout, RolloutOptions
+
+        supervisor = self.gw.monitor.actuator
+        if not hasattr(supervisor, "start_new"):
+            return _err(
+                ApiError(
+                    409,
+                    "Rollouts here need the local actuator (seawall up). On Kubernetes, use the "
+                    "Deployment's rolling update (maxSurge 1, maxUnavailable 0).",
+                    code="no_local_actuator",
+                )
+            )
+        if self._rollout is not None and not self._rollout.done():
+            return _err(ApiError(409, "A rollout is already running.", code="rollout_running"))
+        try:
+            body = await request.json() if request.can_read_body else {}
+            opts = RolloutOptions.from_json(body if isinstance(body, dict) else {})
+        except (ValueError, TypeError) as e:
+            return _err(ApiError(400, f"Bad rollout options: {e}"))
+        self._rollout_obj = Rollout(self.gw, supervisor, opts)  # type: ignore[arg-type]
+        self._rollout = asyncio.create_task(self._rollout_obj.run())
+        return _json({"state": "running"}, status=202)
+
+    async def _get_rollout(self, request: web.Request) -> web.Response:
+        if self._rollout_obj is None:
+            return _err(ApiError(404, "No rollout has run on this gateway.", code="no_rollout"))
+        return _json(self._rollout_obj.report.to_json())
 
     async def _node_action(self, request: web.Request) -> web.Response:
         node, action = request.match_info["node"], request.match_info["action"]
@@ -228,6 +280,8 @@ class Admin:
         return self.port
 
     async def close(self) -> None:
+        if self._rollout is not None and not self._rollout.done():
+            self._rollout.cancel()
         if self._sampler is not None:
             self._sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):

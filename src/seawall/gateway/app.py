@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from seawall import clock
-from seawall.actuate.base import Actuator
+from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
 from seawall.config import ConfigError, GatewayConfig, format_validation_error
 from seawall.errors import ApiError
 from seawall.fleet.config import FleetMonitorConfig
@@ -156,6 +156,35 @@ class Gateway:
                 self.add_replica(
                     spec.replica_id, spec.url, spec.model or None, spec.node, engine=spec.engine
                 )
+
+    async def drain_replica(
+        self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
+    ) -> DrainReport:
+        """No new work for the replica at once; in-flight requests get `timeout_s` to
+        finish; then, with `stop_grace_s`, the actuator stops it (SIGTERM, SIGKILL after
+        the grace) and it leaves the fleet. Reports how many requests were cut."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            raise KeyError(replica_id)
+        replica.draining = True
+        deadline = clock.monotonic() + timeout_s
+        while replica.inflight > 0 and clock.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        cut = replica.inflight
+        if cut:
+            log.warning(
+                "drain of %s hit its %.0fs deadline: cutting %d request(s)",
+                replica_id,
+                timeout_s,
+                cut,
+            )
+        if stop_grace_s is None:
+            return DrainReport(replica_id, cut, exited=False)
+        ref = ReplicaRef(replica_id, replica.url, replica.node, replica.model or "")
+        stop = getattr(self.monitor.actuator, "remove", None) or self.monitor.actuator.stop
+        self.remove_replica(replica_id)
+        await stop(ref, stop_grace_s)
+        return DrainReport(replica_id, cut, exited=self.monitor.actuator.name != "none")
 
     def remove_replica(self, replica_id: str) -> None:
         self.replicas.remove(replica_id)

@@ -53,6 +53,7 @@ RESTARTS = "seawall_replica_restarts_total"
 NODE_CORDONED = "seawall_node_cordoned"
 HARDWARE_TICKETS = "seawall_hardware_tickets_total"
 MIGRATIONS = "seawall_migrations_total"
+STREAM_ERRORS = "seawall_stream_errors_total"
 DRAINING = "seawall_draining"
 
 
@@ -209,3 +210,10 @@ class Metrics:
             registry=r,
         )
         self.draining = Gauge(DRAINING, "1 while the gateway is draining.", registry=r)
+        self.stream_errors = Counter(
+            STREAM_ERRORS[: -len("_total")],
+            "Streams that reached the client and then ended with an error event "
+            "(dropped streams), by cause.",
+            ["reason"],
+            registry=r,
+        )

@@ -75,6 +75,7 @@ class RequestCtx:
     migrate: bool = False
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     tokens_before_migration: int = 0  # delivered when the latest continuation began
+    opened: Opened | None = None  # the upstream being relayed now
     stream_id: str | None = None  # the first upstream's id and created, kept across migrations
     created: int | None = None
 
@@ -407,37 +408,52 @@ class Proxy:
         ctx.status = 200
         replica.streams += 1
         try:
-            await resp.prepare(request)
-            end = await self._pump(ctx, opened, resp, head=True)
-            while end != "done" and self._may_migrate(ctx, end):
-                opened.replica.observe_outcome(False)
-                nxt = await self._continue_elsewhere(ctx, opened.replica)
-                if nxt is None:
-                    break
-                opened.replica.streams -= 1
-                self._release(opened.replica, opened, ctx)
-                opened = nxt
-                opened.replica.streams += 1
-                ctx.replica = opened.replica.id
-                end = await self._pump(ctx, opened, resp, head=True)
-            if end == "done":
-                gw.budget.deposit(clock.monotonic())
-                opened.replica.observe_outcome(True)
-            else:
-                opened.replica.observe_outcome(False)
-                ctx.error = end
-                await resp.write(
-                    ApiError(
-                        504 if end.endswith("timeout") else 502,
-                        _end_message(end),
-                        code=end,
-                    ).sse_event()
-                )
-            await resp.write_eof()
+            return await self._stream(request, ctx, opened, resp)
+        except ConnectionResetError:
+            # The client went away between two writes (aiohttp raises on the write
+            # rather than cancelling the handler): the same as any client disconnect.
+            gw.metrics.cancellations.labels("streaming").inc()
+            ctx.status, ctx.error = 499, "client left while streaming"
             return resp
         finally:
+            current = ctx.opened or opened
+            current.replica.streams -= 1
+            self._release(current.replica, current, ctx)
+
+    async def _stream(
+        self, request: web.Request, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        gw = self.gw
+        ctx.opened = opened
+        await resp.prepare(request)
+        end = await self._pump(ctx, opened, resp, head=True)
+        while end != "done" and self._may_migrate(ctx, end):
+            opened.replica.observe_outcome(False)
+            nxt = await self._continue_elsewhere(ctx, opened.replica)
+            if nxt is None:
+                break
             opened.replica.streams -= 1
             self._release(opened.replica, opened, ctx)
+            opened = ctx.opened = nxt
+            opened.replica.streams += 1
+            ctx.replica = opened.replica.id
+            end = await self._pump(ctx, opened, resp, head=True)
+        if end == "done":
+            gw.budget.deposit(clock.monotonic())
+            opened.replica.observe_outcome(True)
+        else:
+            opened.replica.observe_outcome(False)
+            gw.metrics.stream_errors.labels(end).inc()
+            ctx.error = end
+            await resp.write(
+                ApiError(
+                    504 if end.endswith("timeout") else 502,
+                    _end_message(end),
+                    code=end,
+                ).sse_event()
+            )
+        await resp.write_eof()
+        return resp
 
     async def _pump(
         self, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse, head: bool
