@@ -113,6 +113,9 @@ class DrillReport:
     shed_per_s: float  # requests refused by admission or limits, per second of fault
     preemptions: dict[str, float] = field(default_factory=dict)  # replica -> count
     health_during_fault: int | None = None  # the target's /health status while faulted
+    # Times the fleet put the faulted replica back in routing while the fault was still
+    # in force (before the drill cleared it): each one sends users to a broken engine.
+    readmitted: int = 0
     cleared: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -188,8 +191,9 @@ def noticed(scenario: Scenario, before: dict[str, Any], now: dict[str, Any]) -> 
     if now.get("state") != before.get("state") or (
         before.get("routable") and not now.get("routable")
     ):
-        why = f"{now.get('state')}, {'routable' if now.get('routable') else 'not routable'}"
-        return f"{why}: {now.get('reason') or '-'}"
+        where = "in routing" if now.get("routable") else "out of routing"
+        why = now.get("reason") or "-"
+        return f"{where}, state {now.get('state')} (the monitor's last why: {why})"
     if scenario == "preemption-storm":
         if now.get("storm") not in (None, "calm"):
             return f"storm: {now.get('preemption_rate_per_s')} preemptions/s"
@@ -423,6 +427,13 @@ class Drill:
             before_replicas, None if fleet_wide else target["id"], inject_at
         )
         inflight_at_fault = self._inflight_at_crash(target["id"], inject_at)
+        readmitted = 0 if fault is None else self._readmitted(target["id"], inject_at)
+        if readmitted:
+            self.notes.append(
+                f"the fleet put {target['id']} back in routing {readmitted} time(s) while the "
+                "fault was in force: a restart that does nothing (actuator `none`) followed "
+                "by a passing /health readmits a broken engine"
+            )
         d_requests = metrics_after[REQUESTS] - metrics_before[REQUESTS]
         d_attempts = metrics_after[UPSTREAM_ATTEMPTS] - metrics_before[UPSTREAM_ATTEMPTS]
         fault_s = max(1e-9, end - inject_at)
@@ -456,6 +467,7 @@ class Drill:
             shed_per_s=(metrics_after[SHED] - metrics_before[SHED]) / fault_s,
             preemptions=preemptions,
             health_during_fault=health_during,
+            readmitted=readmitted,
             cleared=cleared,
             notes=self.notes,
         )
@@ -556,6 +568,19 @@ class Drill:
                 if why is not None:
                     return s.t - inject_at, f"{rid} {why}"
         return None, None
+
+    def _readmitted(self, target_id: str, inject_at: float) -> int:
+        # The watcher stops before the drill clears the fault, so every sample counts.
+        count, out = 0, False
+        for s in self.samples:
+            replica = s.replicas.get(target_id)
+            if s.t < inject_at or replica is None:
+                continue
+            if not replica.get("routable"):
+                out = True
+            elif out:
+                count, out = count + 1, False
+        return count
 
     def _inflight_at_crash(self, target_id: str, inject_at: float) -> int | None:
         """The gateway's in-flight count for the target in the last sample before its

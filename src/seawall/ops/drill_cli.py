@@ -94,7 +94,7 @@ def render(report: DrillReport, console: Console) -> None:
     if report.burst is not None:
         t.add_row("extra load", _phase(report.burst))
     t.add_row("shed rate", f"{report.shed_per_s:.2f}/s")
-    if report.preemptions:
+    if report.scenario == "preemption-storm" or any(report.preemptions.values()):
         t.add_row(
             "preemptions",
             ", ".join(f"{rid} {n:g}" for rid, n in sorted(report.preemptions.items())),
@@ -102,6 +102,7 @@ def render(report: DrillReport, console: Console) -> None:
     if report.health_during_fault is not None:
         t.add_row("target /health during", str(report.health_during_fault or "no answer"))
     if report.fault is not None:
+        t.add_row("back in routing while faulted", str(report.readmitted))
         t.add_row("fault cleared", "yes" if report.cleared else "no")
     console.print(t)
     for error, count in report.errors.items():
