@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.procs import ARTIFACTS, free_port, require_binary
 from tests.support.redis_server import RedisServer
+from tests.support.up import Up, start_up
 
 
 @pytest.fixture
@@ -27,3 +28,13 @@ def redis_server(artifacts: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def up(artifacts: Path) -> Iterator[Up]:
+    """`seawall up` with three sim replicas and the admin API (see tests/support/up.py)."""
+    handle = start_up(artifacts)
+    try:
+        yield handle
+    finally:
+        handle.proc.stop()

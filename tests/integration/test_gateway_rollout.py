@@ -8,99 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from seawall.auth import hash_key
 from seawall.loadgen import LoadReport, run_load
-from tests.support.fleet import MODEL, running, wait_until
-from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
+from tests.support.fleet import MODEL, wait_until
+from tests.support.procs import seawall_argv
+from tests.support.up import AUTH, TOKEN, Up, sim_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-TOKEN = "sk-sw-admin-rollout-test-00000000000000000000000"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def sim_command(*extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "seawall",
-        "sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--model",
-        "{model}",
-        "--enable-faults",
-        "--step-base-ms",
-        "5",
-        *extra,
-    ]
-
-
-class Up:
-    def __init__(self, proc: Proc, api: str, admin: str) -> None:
-        self.proc, self.api, self.admin = proc, api, admin
-
-    def state(self) -> dict[str, Any]:
-        r = httpx.get(self.admin + "/admin/state", headers=AUTH, timeout=10)
-        r.raise_for_status()
-        out: dict[str, Any] = r.json()
-        return out
-
-    def routable(self) -> list[str]:
-        return sorted(r["id"] for r in self.state()["replicas"] if r["routable"])
-
-
-@pytest.fixture
-def up(artifacts: Path) -> Iterator[Up]:
-    api_port, admin_port = free_port(), free_port()
-    cfg = {
-        "fleet": {"replicas": 3, "model": MODEL, "command": sim_command(), "stop_grace_s": 5},
-        "gateway": {
-            "admin": {"enabled": True, "port": admin_port, "token_hash": hash_key(TOKEN)},
-            "fleet": {
-                "liveness_interval_s": 0.25,
-                "scrape_interval_s": 0.25,
-                "deep_probe_interval_s": 1.0,
-                "deep_probe_idle_interval_s": 1.0,
-            },
-            "drain": {"timeout_s": 20},
-        },
-    }
-    path = artifacts / "up.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = spawn(
-        seawall_argv(
-            "up",
-            "--config",
-            str(path),
-            "--gateway-port",
-            str(api_port),
-            "--plain",
-            "--seconds",
-            "170",
-            "--log-dir",
-            str(artifacts / "up"),
-        ),
-        artifacts / "up.log",
-        port=api_port,
-    )
-    handle = Up(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{admin_port}")
-    with running(proc):
-        wait_http(handle.api + "/readyz", timeout=60, proc=proc)
-        wait_until(lambda: len(handle.routable()) == 3, 30, what="three routable replicas")
-        yield handle
 
 
 def steady_load(

@@ -1,0 +1,104 @@
+"""Fleet health through the whole product: `seawall up` (local supervisor as the actuator,
+the gateway in-process) with real `seawall sim` replicas and a real client.
+
+A hang keeps /health at 200 while inference is dead: the gateway must end the streams it
+had on that replica by the inter-token timeout, stop routing to it within a few deep-probe
+intervals, and have the supervisor restart it. A slow replica must lose traffic to the
+healthy ones before anything fails.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.fleet import MODEL, metric_sum, running, scrape, wait_until
+from tests.support.up import Up, start_up
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("running_gauge", ["keep", "zero"])
+def test_hung_replica_streams_time_out_and_it_is_restarted(
+    running_gauge: str, artifacts: Path
+) -> None:
+    up = start_up(
+        artifacts,
+        replicas=2,
+        gateway={"timeouts": {"itl_s": 1.5}},
+        fleet={"watchdog_window_s": 3.0, "deep_probe_timeout_s": 0.5},
+    )
+    with running(up.proc):
+        result: dict[str, bytes] = {}
+
+        def stream() -> None:
+            result["body"] = httpx.post(
+                up.api + "/v1/completions",
+                timeout=60,
+                json={
+                    "model": MODEL,
+                    "prompt": "x",
+                    "max_tokens": 2000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ).content
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(
+            lambda: any(r["inflight"] for r in up.state()["replicas"]),
+            10,
+            what="a stream in flight",
+        )
+        victim = next(r for r in up.state()["replicas"] if r["inflight"])
+        set_fault_url(victim["url"], {"kind": "hang", "running": running_gauge})
+        t.join(timeout=30)
+        events = [e for e in result["body"].split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "itl_timeout"
+        wait_until(
+            lambda: not up.replica(victim["id"])["routable"], 15, what="hung replica out of routing"
+        )
+        # The local actuator restarts it; a fresh process serves again.
+        wait_until(
+            lambda: (
+                up.replica(victim["id"])["restarts"] >= 1 and up.replica(victim["id"])["routable"]
+            ),
+            30,
+            what="restart",
+        )
+        r = httpx.post(
+            victim["url"] + "/v1/completions",
+            timeout=10,
+            json={"model": MODEL, "prompt": "x", "max_tokens": 3},
+        )
+        assert r.status_code == 200
+
+
+def set_fault_url(url: str, fault: dict[str, object]) -> None:
+    httpx.post(url + "/sim/fault", json=fault, timeout=5).raise_for_status()
+
+
+def test_slow_replica_loses_traffic_before_it_fails(up: Up) -> None:
+    replicas = up.state()["replicas"]
+    slow = replicas[0]
+    set_fault_url(slow["url"], {"kind": "slow", "factor": 8})
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8}
+    # Warm-up traffic lets the gateway see the slow replica's latency.
+    for _ in range(30):
+        assert httpx.post(up.api + "/v1/completions", json=body, timeout=30).status_code == 200
+    before = scrape(slow["url"])
+    n = 60
+    for _ in range(n):
+        assert httpx.post(up.api + "/v1/completions", json=body, timeout=30).status_code == 200
+    served = metric_sum(scrape(slow["url"]), "vllm:request_success_total") - metric_sum(
+        before, "vllm:request_success_total"
+    )
+    # A fair share would be n/3 = 20 (deep probes add a few of their own).
+    assert served < n / 3 / 2, served
+    assert up.replica(slow["id"])["score"] < 1.0
