@@ -110,9 +110,10 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         assert report["baseline"]["dropped"] == 0
         inflight = report["target_inflight_at_fault"]
         assert inflight is not None and inflight >= 1
-        # Every dropped stream was on r1 when it died, and a crash mid-stream drops
-        # streams that had begun: within one request that arrived between two samples.
-        assert 1 <= report["streams_dropped"] <= inflight + 1
+        # A crash mid-stream drops exactly the streams on the replica when it died. The
+        # in-flight count is the watcher's last sample before /health went silent, so one
+        # stream may have ended, or begun, between that sample and the crash.
+        assert max(1, inflight - 1) <= report["streams_dropped"] <= inflight + 1
         assert report["detection_s"] is not None and report["detection_s"] < 3.0
         assert report["retry_amplification"] >= 1.0
         assert report["cleared"] is False

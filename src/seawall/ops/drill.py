@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -405,16 +405,20 @@ class Drill:
             await _sleep_until(deadline, load)
         finally:
             # Bounded either way: the load stops by itself at load_s + grace_s.
-            for task in [load] + ([extra] if extra is not None else []):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(task), timeout=grace_s + 1.0)
+            loads = [load] + ([extra] if extra is not None else [])
+            await asyncio.wait(loads, timeout=grace_s + 1.0)  # never raises
             stop.set()
             tasks = [watcher, load] + ([extra] if extra is not None else [])
             for task in tasks:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # Cleared even when the drill failed: a drill must not leave a fault behind.
             cleared = await self._clear(session, target) if fault is not None else False
+        for task in loads:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                raise DrillError(f"the load generator failed: {failure!r}")
         end = clock.monotonic()
         metrics_after = await self._metrics(session, api_url)
         final = await self._get_json(session, "/admin/state")
@@ -633,12 +637,11 @@ class Drill:
             )
 
 
-async def _sleep_until(at: float, load: Awaitable[Any]) -> None:
+async def _sleep_until(at: float, load: asyncio.Task[Any]) -> None:
     """Sleep until monotonic `at`, or less if the load ends first."""
     remaining = at - clock.monotonic()
     if remaining > 0:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(load), timeout=remaining)
+        await asyncio.wait([load], timeout=remaining)
 
 
 def _preemptions(replica: dict[str, Any]) -> float:
