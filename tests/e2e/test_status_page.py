@@ -10,6 +10,7 @@ import asyncio
 import base64
 import itertools
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -205,3 +206,14 @@ async def test_status_page_shows_the_fleet_and_follows_a_dead_engine_live(
             )
         load.cancel()
         await asyncio.gather(load, return_exceptions=True)
+
+
+def test_status_page_loads_nothing_from_outside_the_admin_port() -> None:
+    # The admin port is often reachable only from a bastion: a CDN script or font
+    # would leave the page blank exactly when it is needed.
+    from seawall.gateway.admin import STATIC
+
+    html = (STATIC / "status.html").read_text()
+    outside = set(re.findall(r"(?:https?:)?//[\w.-]+\.\w+[^\s\"')]*", html))
+    assert outside <= {"http://www.w3.org/2000/svg"}, outside
+    assert not re.search(r"<(?:script|link|img)[^>]+(?:src|href)=", html)
