@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrency", type=int, default=8, metavar="N", help="steady load streams (default 8)"
     )
-    p.add_argument("--target", metavar="ID", help="replica to fault (default: a routable one)")
+    p.add_argument(
+        "--target", metavar="ID", help="replica to fault (default: the busiest at injection)"
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
