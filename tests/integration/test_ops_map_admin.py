@@ -1,8 +1,9 @@
-"""`seawall map --admin` against a real HTTP server on loopback.
+"""`seawall map --admin` against the real gateway admin API, and against a fixed document.
 
-The server here is a small aiohttp app serving the agreed `/admin/state` document: it
-stands in for the gateway's admin API until that lands, and checks the bearer token the
-way the admin API will.
+The last test drives a real gateway. The others use a small aiohttp app serving a fixed
+`/admin/state` document, because some states it shows (a degraded Redis backend, a
+saturated replica) take a whole outage to produce for real; it checks the bearer token
+the way the admin API does.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -78,3 +80,48 @@ async def test_map_explains_a_refused_token(admin_url: str) -> None:
     )
     assert rc == 2
     assert "401" in err and "--admin-token" in err
+
+
+def test_map_reads_a_real_gateway(artifacts: Path) -> None:
+    import subprocess
+
+    import httpx
+
+    from seawall.auth import hash_key
+    from tests.support.fleet import running, start_gateway, start_sim, wait_until
+
+    sims = [start_sim(artifacts, name=f"s{i}") for i in range(2)]
+    admin_port = free_port()
+    gw = start_gateway(
+        artifacts,
+        sims,
+        {
+            "admin": {"enabled": True, "port": admin_port, "token_hash": hash_key(TOKEN)},
+            "fleet": {"liveness_interval_s": 0.25},
+        },
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with running(gw, *sims):
+        httpx.post(admin + "/admin/nodes/node-1/cordon", headers=auth).raise_for_status()
+        wait_until(
+            lambda: (
+                sum(
+                    r["routable"]
+                    for r in httpx.get(admin + "/admin/state", headers=auth).json()["replicas"]
+                )
+                == 1
+            ),
+            5,
+            what="cordon",
+        )
+        out = subprocess.run(
+            seawall_argv("map", "--admin", admin, "--admin-token", TOKEN, "--json"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        doc = {d["domain"]: d for d in json.loads(out.stdout)}
+        assert doc["fleet"]["live"].startswith("1 of 2 replicas routable")
+        assert "node-1" in json.dumps(doc)
