@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from seawall.auth import hash_key
 from tests.support.fleet import running, start_gateway, start_sim, wait_until
 from tests.support.procs import Proc, free_port, seawall_argv
+from tests.support.up import TOKEN as UP_TOKEN
+from tests.support.up import Up
 
 pytestmark = pytest.mark.integration
 
@@ -123,11 +127,77 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         assert again.returncode == 2 and report["target"] in again.stderr  # gone: not faked
 
 
-def test_rolling_restart_says_the_rollout_endpoint_is_missing(artifacts: Path) -> None:
+async def test_rolling_restart_on_an_older_gateway_says_rollouts_are_missing(
+    artifacts: Path,
+) -> None:
+    # A gateway from before rollouts: its admin API has no /admin/rollout at all.
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"api_url": "http://127.0.0.1:9", "replicas": [_REPLICA], "nodes": []}
+        )
+
+    app = web.Application()
+    app.router.add_get("/admin/state", state)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *seawall_argv("drill", "rolling-restart", "--admin", f"http://127.0.0.1:{port}"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        await runner.cleanup()
+    assert proc.returncode == 3, stderr
+    assert b"rollout endpoint" in stderr and b"not available" in stderr
+    assert stdout == b""  # no table of made-up figures
+
+
+BACKGROUND = "error event: The upstream replica closed the stream before it finished."
+_REPLICA = {"id": "r0", "url": "http://127.0.0.1:9", "model": "m", "routable": True}
+
+
+def test_rolling_restart_without_an_actuator_exits_3_with_the_gateway_reason(
+    artifacts: Path,
+) -> None:
     sim = start_sim(artifacts)
-    gw, admin = admin_gateway(artifacts, [sim])
+    gw, admin = admin_gateway(artifacts, [sim])  # `seawall serve`: nothing can start replicas
     with running(gw, sim):
-        out = drill(admin, "rolling-restart", "--duration", "5")
+        out = drill(admin, "rolling-restart", "--duration", "3", "--concurrency", "2")
         assert out.returncode == 3, out.stderr
-        assert "rollout endpoint" in out.stderr and "not available" in out.stderr
-        assert out.stdout == ""  # no table of made-up figures
+        assert "cannot roll out" in out.stderr and "local actuator" in out.stderr
+        assert out.stdout == ""
+
+
+@pytest.mark.slow
+def test_rolling_restart_drill_under_seawall_up_drops_no_stream(up: Up) -> None:
+    before = up.routable()
+    out = subprocess.run(
+        seawall_argv(
+            "drill", "rolling-restart", "--admin", up.admin, "--admin-token", UP_TOKEN,
+            "--duration", "30", "--concurrency", "4", "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )  # fmt: skip
+    report = report_of(out)
+    (up.proc.log_path.parent / "rollout-drill-report.json").write_text(out.stdout)
+    assert report["rollout"]["state"] == "done", report["rollout"]
+    assert sorted(old for old, _ in report["rollout"]["replaced"]) == before
+    assert report["rollout"]["streams_dropped"] == 0  # the gateway's own accounting
+    # What the drill's own clients saw. Under `seawall up` a steady load alone (no drill,
+    # no rollout) sees about one stream in 200 end with "The upstream replica closed the
+    # stream before it finished." (reported to the gateway's owners); until that is
+    # fixed, allow that background here and nothing else: a rollout that stopped a
+    # replica under its streams would show other errors, or many more of them.
+    assert report["baseline"]["ok"] > 0 and report["during"]["ok"] > 0
+    hurt = report["streams_dropped"] + report["requests_failed"]
+    assert hurt <= 0.01 * report["requests"], report["errors"]
+    assert set(report["errors"]) <= {BACKGROUND}, report["errors"]
+    assert report["detection_s"] is None  # a rollout is announced, not detected
+    after = up.routable()
+    assert len(after) == 3 and not set(after) & set(before)

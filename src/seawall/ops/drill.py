@@ -10,7 +10,8 @@ token before and during the fault.
 
 Must not: run unbounded (every loop stops by itself, the whole drill at `duration_s`
 plus a short grace for the final scrape and clean-up), fake a capability the fleet lacks
-(a gateway without `/admin/rollout` ends the rolling-restart drill with EXIT_UNAVAILABLE),
+(a gateway without `/admin/rollout`, or one that cannot start and stop replicas, ends
+the rolling-restart drill with EXIT_UNAVAILABLE),
 or talk to anything but the admin URL, the API URL and the replica URLs the admin API
 names. It never restarts a process: a crashed replica stays down until its supervisor
 (or the operator) brings it back, and the report says so.
@@ -45,7 +46,7 @@ SCENARIOS: tuple[Scenario, ...] = (
 
 EXIT_OK = 0
 EXIT_ERROR = 2  # the admin API, the token or a replica's fault endpoint is not usable
-EXIT_UNAVAILABLE = 3  # the gateway lacks what the drill needs (the rollout endpoint)
+EXIT_UNAVAILABLE = 3  # the gateway lacks what the drill needs (rollouts)
 
 # The watcher's cadence: detection time is measured to within this much. Fast enough to
 # catch a crash between two samples of the crashed replica's in-flight count.
@@ -63,6 +64,11 @@ STORM_FACTOR = 4
 # model's context, or the engine refuses it (400) and nothing is stored at all.
 STORM_CONTEXT_SHARE = 0.6  # of max_model_len, prompt and answer together
 DEFAULT_MAX_MODEL_LEN = 4096  # when the replica does not say (vLLM's /v1/models does)
+ROLLOUT_POLL_S = 0.5
+ROLLOUT_MISSING = (
+    "rolling-restart: the rollout endpoint (POST /admin/rollout) is not available on this "
+    "gateway; nothing was restarted"
+)
 CRASH_AFTER_TOKENS = 8  # tokens generated after the fault is armed: streams have begun
 
 
@@ -116,6 +122,7 @@ class DrillReport:
     # Times the fleet put the faulted replica back in routing while the fault was still
     # in force (before the drill cleared it): each one sends users to a broken engine.
     readmitted: int = 0
+    rollout: dict[str, Any] | None = None  # rolling-restart: the gateway's own report
     cleared: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -221,6 +228,7 @@ class Drill:
         max_tokens: int = 32,
         prompt_tokens: int = 64,
         crash_after_tokens: int = CRASH_AFTER_TOKENS,
+        rollout_options: dict[str, Any] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         if duration_s <= 0 or concurrency < 1:
@@ -237,6 +245,8 @@ class Drill:
         self.crash_after_tokens = crash_after_tokens
         self.log = log or (lambda _line: None)
         self.samples: list[Sample] = []
+        self.rollout: dict[str, Any] | None = None  # the gateway's rollout report
+        self.rollout_options: dict[str, Any] = dict(rollout_options or {})
         self.health_url: str | None = None  # the faulted replica, watched from injection
         self.burst: list[RequestResult] = []  # the extra load of overload and storm
         self.notes: list[str] = []
@@ -300,23 +310,15 @@ class Drill:
         self, session: aiohttp.ClientSession, state: dict[str, Any], target: dict[str, Any]
     ) -> None:
         if self.scenario == "rolling-restart":
-            # GET is harmless: aiohttp answers 405 for a POST-only route that exists and
-            # 404 for none, so the drill learns which without starting a rollout.
-            try:
-                async with session.get(
-                    self.admin_url + "/admin/rollout", headers=self.headers
-                ) as r:
-                    status = r.status
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise DrillError(f"cannot reach {self.admin_url}: {e}") from None
-            if status == 401:
-                raise DrillError("the admin API refused the token (--admin-token)")
-            if status == 404:
-                raise DrillError(
-                    "rolling-restart: the rollout endpoint (POST /admin/rollout) is not "
-                    "available on this gateway; nothing was restarted",
-                    EXIT_UNAVAILABLE,
-                )
+            # GET is harmless: it reports the last rollout (404 `no_rollout` when none has
+            # run) where the endpoint exists, and is a plain 404 where it does not.
+            status, body = await self._admin_call(session, "GET", "/admin/rollout")
+            if status == 404 and _error_code(body) != "no_rollout":
+                raise DrillError(ROLLOUT_MISSING, EXIT_UNAVAILABLE)
+            if status == 200 and isinstance(body, dict) and body.get("state") == "running":
+                raise DrillError("a rollout is already running on this gateway: drill after it")
+            if status not in (200, 404):
+                raise DrillError(f"GET /admin/rollout answered {status}: {_error_message(body)}")
             return
         if self.scenario in ("crash-mid-stream", "hang"):
             # Without --target the fault goes to the busiest replica at injection time,
@@ -414,7 +416,8 @@ class Drill:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             # Cleared even when the drill failed: a drill must not leave a fault behind.
-            cleared = await self._clear(session, target) if fault is not None else False
+            faulted = fault is not None and self.scenario in ("crash-mid-stream", "hang")
+            cleared = await self._clear(session, target) if faulted else False
         for task in loads:
             failure = None if task.cancelled() else task.exception()
             if failure is not None:
@@ -427,11 +430,13 @@ class Drill:
         # phase in which it ended; a stream cut by a crash started in the baseline.
         before = [r for r in results if r.started_at + r.total_s < inject_at]
         during = [r for r in results if r.started_at + r.total_s >= inject_at]
-        detection_s, detected_as = self._detection(
-            before_replicas, None if fleet_wide else target["id"], inject_at
+        detection_s, detected_as = (
+            (None, None)  # a rollout is announced, not detected
+            if self.scenario == "rolling-restart"
+            else self._detection(before_replicas, None if fleet_wide else target["id"], inject_at)
         )
         inflight_at_fault = self._inflight_at_crash(target["id"], inject_at)
-        readmitted = 0 if fault is None else self._readmitted(target["id"], inject_at)
+        readmitted = self._readmitted(target["id"], inject_at) if faulted else 0
         if readmitted:
             self.notes.append(
                 f"the fleet put {target['id']} back in routing {readmitted} time(s) while the "
@@ -472,6 +477,7 @@ class Drill:
             preemptions=preemptions,
             health_during_fault=health_during,
             readmitted=readmitted,
+            rollout=self.rollout,
             cleared=cleared,
             notes=self.notes,
         )
@@ -527,23 +533,65 @@ class Drill:
                 )
                 return None, extra
             case "rolling-restart":
-                try:
-                    async with session.post(
-                        self.admin_url + "/admin/rollout", headers=self.headers, json={}
-                    ) as r:
-                        status = r.status
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    raise DrillError(f"POST /admin/rollout failed: {e}") from None
-                if status == 404:
+                options = dict(self.rollout_options)
+                status, body = await self._admin_call(session, "POST", "/admin/rollout", options)
+                if status == 404 and _error_code(body) is None:
+                    raise DrillError(ROLLOUT_MISSING, EXIT_UNAVAILABLE)
+                if status == 409 and _error_code(body) == "no_local_actuator":
+                    # The endpoint exists, but this gateway has nothing that can start
+                    # and stop replicas: not a failed drill, a capability it lacks.
                     raise DrillError(
-                        "rolling-restart: the rollout endpoint is not available on this gateway",
+                        f"rolling-restart: this gateway cannot roll out: {_error_message(body)}",
                         EXIT_UNAVAILABLE,
                     )
                 if status >= 300:
-                    raise DrillError(f"POST /admin/rollout answered {status}")
-                self.notes.append(f"rollout started (POST /admin/rollout answered {status})")
-                return None, None
+                    raise DrillError(
+                        f"POST /admin/rollout answered {status}: {_error_message(body)}"
+                    )
+                return {"rollout": options}, asyncio.create_task(
+                    self._follow_rollout(session, deadline)
+                )
         raise DrillError(f"unknown scenario {self.scenario!r}")
+
+    async def _admin_call(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+    ) -> tuple[int, Any]:
+        """(status, JSON body or None) of one admin API call; 401 is always an error."""
+        try:
+            async with session.request(
+                method, self.admin_url + path, headers=self.headers, json=body
+            ) as r:
+                raw = await r.read()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise DrillError(f"{method} {self.admin_url}{path} failed: {e}") from None
+        if status == 401:
+            raise DrillError("the admin API refused the token (--admin-token)")
+        try:
+            return status, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return status, None
+
+    async def _follow_rollout(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        """Keep the gateway's rollout report until it is no longer running, or the
+        deadline; the rollout itself is the gateway's, and goes on after the drill."""
+        while clock.monotonic() < deadline:
+            with contextlib.suppress(DrillError):
+                status, body = await self._admin_call(session, "GET", "/admin/rollout")
+                if status == 200 and isinstance(body, dict):
+                    self.rollout = body
+                    if body.get("state") != "running":
+                        return
+            await asyncio.sleep(ROLLOUT_POLL_S)
+        if self.rollout is None or self.rollout.get("state") == "running":
+            self.notes.append(
+                "the rollout was still running when the drill ended: the figures cover only "
+                "its start (it goes on); run with a longer --duration to see it whole"
+            )
 
     async def _watch(self, session: aiohttp.ClientSession, deadline: float) -> None:
         """Sample the admin API (and, once chosen, the target's /health) until the
@@ -642,6 +690,19 @@ async def _sleep_until(at: float, load: asyncio.Task[Any]) -> None:
     remaining = at - clock.monotonic()
     if remaining > 0:
         await asyncio.wait([load], timeout=remaining)
+
+
+def _error_code(body: Any) -> str | None:
+    """The `error.code` of an OpenAI-style error body, or None (not one of ours)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _error_message(body: Any) -> str:
+    err = body.get("error") if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    return message if isinstance(message, str) else "(no message)"
 
 
 def _preemptions(replica: dict[str, Any]) -> float:

@@ -75,9 +75,18 @@ def render(report: DrillReport, console: Console) -> None:
     if report.target_inflight_at_fault is not None:
         t.add_row("target in-flight at crash", str(report.target_inflight_at_fault))
     detection = "not seen" if report.detection_s is None else f"{report.detection_s:.2f} s"
-    t.add_row(
-        "detection time", detection + (f" ({report.detected_as})" if report.detected_as else "")
-    )
+    if report.rollout is not None:
+        ro = report.rollout
+        t.add_row("rollout", f"{ro.get('state')} {ro.get('failure') or ''}".strip())
+        t.add_row("replaced", ", ".join(f"{old} -> {new}" for old, new in ro.get("replaced", [])))
+        t.add_row("streams cut by drains", str(ro.get("streams_cut_by_drains", "-")))
+        t.add_row(
+            "ready replicas before / min during",
+            f"{ro.get('ready_before', '-')} / {ro.get('ready_min_during', '-')}",
+        )
+    elif report.scenario != "rolling-restart":
+        why = f" ({report.detected_as})" if report.detected_as else ""
+        t.add_row("detection time", detection + why)
     amp = report.retry_amplification
     t.add_row(
         "retry amplification",
