@@ -361,3 +361,22 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(artifacts: Path) -> No
         body = head + b"".join(it)
         assert sse_events(body)[-1] == b"data: [DONE]" and b'"error"' not in body
         assert gw.wait(timeout=10) == 0
+
+
+def test_a_short_answer_arriving_in_one_read_is_relayed_whole(artifacts: Path) -> None:
+    # With no step cost the engine writes a 2-token answer (tokens, finish, usage, [DONE])
+    # faster than the gateway reads, so the first read often holds the whole stream.
+    sim = start_sim(artifacts, "--step-base-ms", "0", "--step-per-seq-ms", "0")
+    gw = start_gateway(artifacts, [sim])
+    with running(gw, sim), httpx.Client(timeout=10) as c:
+        body = {
+            **COMPLETION,
+            "stream": True,
+            "max_tokens": 2,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        direct = normalise(c.post(sim.url + "/v1/completions", json=body).content)
+        for _ in range(150):
+            via = c.post(gw.url + "/v1/completions", json=body).content
+            assert normalise(via) == direct

@@ -463,22 +463,23 @@ class Proxy:
         replica = opened.replica
         itl_hist = gw.metrics.itl.labels(ctx.model)
         parse_events = ctx.strip_usage or ctx.track_text or ctx.lease is not None
+        tail = b""
         if head and opened.head:
-            out = (
-                self._filter(ctx, [e.raw for e in opened.head])
-                if parse_events
-                else b"".join(e.raw for e in opened.head)
-            )
+            if parse_events:
+                out = self._filter(ctx, [e.raw for e in opened.head])
+            else:
+                # Raw relay: the head's events, then whatever partial event followed them.
+                out = b"".join(e.raw for e in opened.head) + opened.sse.pending
+                tail = out[-_DONE_TAIL:]
             if out:
                 await resp.write(out)
-            if opened.head[-1].kind is Kind.DONE:
+            if any(e.kind is Kind.DONE for e in opened.head):
                 return "done"
         loop = asyncio.get_running_loop()
         itl_s = ctx.timeouts.itl_s
         deadline = ctx.deadline
         content = opened.resp.content
         sse = opened.sse
-        tail = b""
         last = opened.first_token_at
         wait = next_chunk_wait(clock.monotonic(), deadline, itl_s)
         try:

@@ -112,15 +112,20 @@ async def open_attempt(
                 chunk = await resp.content.readany()
                 if not chunk:
                     raise AttemptFailed("reset", True, "upstream closed before the first token")
+                got_token = False
+                # Every complete event of this read goes into the head, including those
+                # after the first token: a short answer can arrive whole in one read.
                 for raw in sse.feed(chunk):
                     ev = classify(raw)
-                    if ev.kind is Kind.ERROR:
+                    if ev.kind is Kind.ERROR and not got_token:
                         raise AttemptFailed(
                             "error_event", True, _error_message(ev), status=502, body=None
                         )
                     head.append(ev)
                     if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
-                        return Opened(replica, resp, head, sse, None, started, clock.monotonic())
+                        got_token = True
+                if got_token:
+                    return Opened(replica, resp, head, sse, None, started, clock.monotonic())
     except AttemptFailed:
         if resp is not None:
             resp.close()
