@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -102,3 +103,49 @@ def test_slow_replica_loses_traffic_before_it_fails(up: Up) -> None:
     # A fair share would be n/3 = 20 (deep probes add a few of their own).
     assert served < n / 3 / 2, served
     assert up.replica(slow["id"])["score"] < 1.0
+
+
+def test_hung_replica_is_not_readmitted_on_health_alone_when_nothing_restarts_it(
+    artifacts: Path,
+) -> None:
+    """Actuator `none`: the monitor's "restart" does nothing, and a hung engine still
+    answers /health. It must stay out of routing until a real token comes back."""
+    from seawall.auth import hash_key
+    from tests.support.fleet import start_gateway, start_sim
+    from tests.support.procs import free_port
+
+    token = "sk-sw-admin-none-actuator-0000000000000000000000"
+    auth = {"Authorization": f"Bearer {token}"}
+    sims = [start_sim(artifacts, name=f"s{i}") for i in range(2)]
+    admin_port = free_port()
+    gw = start_gateway(
+        artifacts,
+        sims,
+        {
+            "admin": {"enabled": True, "port": admin_port, "token_hash": hash_key(token)},
+            "timeouts": {"itl_s": 1.0},
+            "fleet": {
+                "liveness_interval_s": 0.25,
+                "scrape_interval_s": 0.25,
+                "deep_probe_interval_s": 0.5,
+                "deep_probe_idle_interval_s": 0.5,
+                "deep_probe_timeout_s": 0.5,
+                "watchdog_window_s": 2.0,
+            },
+        },
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    def routable(rid: str) -> bool:
+        state = httpx.get(admin + "/admin/state", headers=auth).json()
+        return bool(next(r for r in state["replicas"] if r["id"] == rid)["routable"])
+
+    with running(gw, *sims):
+        wait_until(lambda: routable("r0") and routable("r1"), 10, what="both routable")
+        set_fault_url(sims[0].url, {"kind": "hang"})
+        wait_until(lambda: not routable("r0"), 15, what="hung r0 out of routing")
+        # Long enough for several liveness probes to pass and a restart to "happen".
+        deadline_checks = [routable("r0") for _ in range(40) if not time.sleep(0.1)]
+        assert not any(deadline_checks)
+        set_fault_url(sims[0].url, {"kind": "clear"})
+        wait_until(lambda: routable("r0"), 20, what="r0 readmitted once it produces tokens")

@@ -135,6 +135,10 @@ class _Replica:
     action: asyncio.Task[None] | None = None
     action_kind: str = ""
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # After a failure restart that restarted nothing (actuator `none`), a passing /health
+    # proves nothing: a hung engine answers it. Readmit only after a real token.
+    verify_with_deep_probe: bool = False
+    verifying: bool = False
 
 
 @dataclass(eq=False)
@@ -450,6 +454,11 @@ class FleetMonitor:
         if rep.state is State.starting:
             if result.ok:
                 rep.liveness_failures, rep.liveness_error = 0, ""
+                if rep.verify_with_deep_probe:
+                    if not rep.verifying:
+                        rep.verifying = True
+                        self._spawn(self._verify(rep))
+                    return
                 self._fire(rep, Event.health_ok, "")
                 return
             # Failures while loading are expected: shown, not counted.
@@ -558,6 +567,29 @@ class FleetMonitor:
             if generation != rep.generation or rep.state not in _PROBED_STATES:
                 continue
             self._on_deep_probe(rep, result)
+
+    async def _verify(self, rep: _Replica) -> None:
+        """One deep probe before a replica that was not really restarted is readmitted."""
+        try:
+            generation = rep.generation
+            model = rep.model or rep.spec.model or await self._discover_model(rep)
+            result = await probes.deep_probe(
+                self.session,
+                rep.spec.url,
+                model,
+                self.config.deep_probe_timeout_s,
+                self.config.deep_probe_path,
+            )
+            if generation != rep.generation or rep.state is not State.starting:
+                return
+            if result.ok:
+                rep.verify_with_deep_probe = False
+                self._fire(rep, Event.health_ok, "a deep probe produced a token again")
+            else:
+                rep.reason = f"healthy but still not producing tokens ({result.error})"
+                self._publish()
+        finally:
+            rep.verifying = False
 
     def _on_deep_probe(self, rep: _Replica, result: probes.ProbeResult) -> None:
         rep.deep_results.append(result.ok)
@@ -707,6 +739,7 @@ class FleetMonitor:
             log.error("restart of %s failed: %r", spec.replica_id, exc)
         self._reset(rep)
         rep.action = None
+        rep.verify_with_deep_probe = failure and self.actuator.name == "none"
         self._fire(rep, Event.restarted, reason)
         if failure:
             await self._maybe_cordon(spec.node)
