@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -363,22 +364,31 @@ def run_driver(
     time_limit: float,
     request_timeout: float = 60.0,
 ) -> dict[str, Any]:
-    """Run `drive` in a separate Python process (its CPU and GIL are not the proxy's)."""
+    """Run `drive` in a separate Python process (its CPU and GIL are not the proxy's).
+
+    The result comes back through a temporary file, not a pipe: a large JSON written to a
+    pipe by a process that was running an event loop has come back cut at 64 KiB."""
+    fd, out_path = tempfile.mkstemp(prefix="bench-drive-", suffix=".json")
+    os.close(fd)
     argv = [sys.executable, __file__, "drive", "--model", model, "--route", route]
     for url in urls:
         argv += ["--url", url]
     argv += [
         "--concurrency", str(concurrency), "--requests", str(requests),
         "--max-tokens", str(max_tokens), "--time-limit", str(time_limit),
-        "--request-timeout", str(request_timeout),
+        "--request-timeout", str(request_timeout), "--out", out_path,
     ]  # fmt: skip
-    out = subprocess.run(
-        argv, capture_output=True, timeout=time_limit + request_timeout + 30, check=False
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"load driver failed ({out.returncode}):\n{out.stderr.decode()[-2000:]}")
-    result: dict[str, Any] = json.loads(out.stdout)
-    return result
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, timeout=time_limit + request_timeout + 30, check=False
+        )
+        if out.returncode != 0:
+            err = out.stderr.decode(errors="replace")[-2000:]
+            raise RuntimeError(f"load driver failed ({out.returncode}):\n{err}")
+        result: dict[str, Any] = json.loads(Path(out_path).read_bytes())
+        return result
+    finally:
+        Path(out_path).unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -393,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--time-limit", type=float, default=120.0)
     d.add_argument("--request-timeout", type=float, default=60.0)
+    d.add_argument("--out", help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
     try:
         import uvloop
@@ -412,7 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.request_timeout,
         )
     )
-    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result))
+    else:
+        print(json.dumps(result))
     return 0
 
 

@@ -305,7 +305,11 @@ def run_rounds(
         for conc in args.concurrency:
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for system in order:
-                row = measure(system, sims, urls, conc, args, warm_up=rnd == 0)
+                try:
+                    row = measure(system, sims, urls, conc, args, warm_up=rnd == 0)
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+                    print(f"  round {rnd + 1} {system.name} c={conc}: load failed: {e}")
+                    continue
                 runs.append(row)
                 print(
                     f"  round {rnd + 1} {system.name:<12} c={conc:<4} ok={row.ok:<5} "
