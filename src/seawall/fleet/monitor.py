@@ -101,6 +101,7 @@ class TransitionRecord:
     """One state change, kept for `describe()` (the admin API shows the last few)."""
 
     at: float  # monotonic seconds
+    at_wall: float  # unix seconds, for people
     replica_id: str
     event: str
     before: str
@@ -316,6 +317,7 @@ class FleetMonitor:
         history = [
             {
                 "at": t.at,
+                "at_wall": t.at_wall,
                 "replica": t.replica_id,
                 "event": t.event,
                 "from": t.before,
@@ -697,7 +699,9 @@ class FleetMonitor:
     def _record(self, rep: _Replica, event: str, before: State, after: State, why: str) -> None:
         now = clock.monotonic()
         self._history.append(
-            TransitionRecord(now, rep.spec.replica_id, event, before.value, after.value, why)
+            TransitionRecord(
+                now, clock.wall(), rep.spec.replica_id, event, before.value, after.value, why
+            )
         )
         if before is not after:
             level = logging.INFO if after in (State.ready, State.starting) else logging.WARNING
