@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from tests.support.up import Up, start_up
 def artifacts(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A per-test folder under test-artifacts/ for logs and screenshots kept after the run."""
     path = ARTIFACTS / request.node.name.replace("/", "_").replace("[", "_").replace("]", "")
+    # Fresh each run: a restart ledger left by an earlier run would cordon a node here.
+    shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
     yield path
 

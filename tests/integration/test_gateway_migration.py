@@ -160,3 +160,37 @@ def test_crash_under_load_fails_only_the_crashed_replicas_streams(
             # The blast radius is one replica: exactly its streams failed, cleanly.
             assert len(failed) == on_victim
             assert all(r.endswith(b"data: [DONE]\n\n") for r in failed)
+
+
+@pytest.mark.parametrize("migrate", [False, True])
+def test_a_replica_shutting_down_mid_stream(migrate: bool, artifacts: Path) -> None:
+    """vLLM's default SIGTERM aborts in-flight requests: each stream ends with
+    finish_reason "abort" and [DONE], which looks finished but is not. The gateway counts
+    it as a dropped stream, and with migration finishes the answer elsewhere."""
+    import signal
+
+    path, body = REQUESTS["completions"]
+    sims = [start_sim(artifacts, "--step-base-ms", "20", name=f"s{i}") for i in range(2)]
+    gw = start_gateway(
+        artifacts, sims, {"tiers": {"default": {"migrate": migrate}}, "fleet": FLEET_FAST}
+    )
+    with running(gw, *sims):
+        reference = httpx.post(gw.url + path, json={**body, "stream": True}, timeout=30).content
+        with httpx.stream("POST", gw.url + path, json={**body, "stream": True}, timeout=30) as r:
+            chunks = r.iter_raw()
+            got = next(chunks)
+            while got.count(b"data: ") < 10:
+                got += next(chunks)
+            victim = running_on(sims)
+            assert len(victim) == 1
+            victim[0].signal(signal.SIGTERM)
+            got += b"".join(chunks)
+        assert got.endswith(b"data: [DONE]\n\n")
+        m = scrape(gw.url)
+        if migrate:
+            assert text_of(got) == text_of(reference) and b'"abort"' not in got
+            assert metric_sum(m, "seawall_migrations_total", outcome="ok") == 1
+        else:
+            assert b'"finish_reason":"abort"' in got
+            assert len(text_of(got)) < len(text_of(reference))
+            assert metric_sum(m, "seawall_stream_errors_total", reason="upstream_aborted") == 1

@@ -64,7 +64,8 @@ def start_gateway(
         }
         for i, r in enumerate(replicas)
     ] + list(cfg.get("replicas", []))
-    fleet = cfg.setdefault("fleet", {})
+    # A copy: callers pass shared dicts, and the ledger path is this gateway's own.
+    fleet = cfg["fleet"] = dict(cfg.get("fleet") or {})
     fleet.setdefault("ledger_path", str(log_dir / f"{name}-{port}-ledger.sqlite"))
     path = log_dir / f"{name}-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -167,6 +167,7 @@ class ReplicaEvent:
     kind: EventKind
     status: ReplicaStatus
     reason: str = ""
+    exit_code: int | None = None  # `exited`: the process's exit status (None: never ran)
 
 
 # --------------------------------------------------------------------------- the supervisor
@@ -255,7 +256,12 @@ class LocalSupervisor:
         self._listeners.append(listener)
 
     def _emit(self, rep: _Replica, kind: EventKind, reason: str = "") -> None:
-        event = ReplicaEvent(kind=kind, status=self._status(rep, clock.monotonic()), reason=reason)
+        event = ReplicaEvent(
+            kind=kind,
+            status=self._status(rep, clock.monotonic()),
+            reason=reason,
+            exit_code=rep.last_exit_code if kind == "exited" else None,
+        )
         for listener in list(self._listeners):
             try:
                 listener(event)

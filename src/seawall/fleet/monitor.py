@@ -432,11 +432,15 @@ class FleetMonitor:
             self._fire(rep, Event.uncordon, "operator")
         self._publish()
 
-    def notify_process_exited(self, replica_id: str, reason: str = "process exited") -> None:
-        """For actuators that see their processes die (the local supervisor)."""
+    def notify_process_exited(
+        self, replica_id: str, reason: str = "process exited", failure: bool = True
+    ) -> None:
+        """For actuators that see their processes die (the local supervisor). A clean
+        exit (`failure=False`: status 0, e.g. someone sent SIGTERM) is restarted like any
+        other but does not count towards cordoning the node: it says nothing of the GPU."""
         rep = self._replicas.get(replica_id)
         if rep is not None:
-            self._fire(rep, Event.process_exited, reason)
+            self._fire(rep, Event.process_exited, reason, counts=failure)
 
     # ---------------------------------------------------------------- loops
 

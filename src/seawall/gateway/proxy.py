@@ -40,7 +40,15 @@ from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, Opened, open_attempt
 from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
 from seawall.protocol.openai import ParsedRequest, Route, parse
-from seawall.protocol.sse import DONE_EVENT, Kind, choice_text, classify, event_bytes, usage_of
+from seawall.protocol.sse import (
+    ABORT_MARK,
+    DONE_EVENT,
+    Kind,
+    choice_text,
+    classify,
+    event_bytes,
+    usage_of,
+)
 
 if TYPE_CHECKING:
     from seawall.gateway.app import Gateway
@@ -76,6 +84,7 @@ class RequestCtx:
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     opened: Opened | None = None  # the upstream being relayed now
+    aborted: bool = False  # the engine ended the stream with finish_reason "abort"
     stream_id: str | None = None  # the first upstream's id and created, kept across migrations
     created: int | None = None
 
@@ -436,9 +445,16 @@ class Proxy:
             self._release(opened.replica, opened, ctx)
             opened = ctx.opened = nxt
             opened.replica.streams += 1
+            ctx.stage = "streaming"
             ctx.replica = opened.replica.id
             end = await self._pump(ctx, opened, resp, head=True)
-        if end == "done":
+        if end == "done" and ctx.aborted:
+            # Relayed as the engine sent it (finish_reason "abort", then [DONE]), but the
+            # answer was cut short: a dropped stream all the same.
+            opened.replica.observe_outcome(False)
+            gw.metrics.stream_errors.labels("upstream_aborted").inc()
+            ctx.error = "upstream_aborted"
+        elif end == "done":
             gw.budget.deposit(clock.monotonic())
             opened.replica.observe_outcome(True)
         else:
@@ -471,8 +487,11 @@ class Proxy:
                 # Raw relay: the head's events, then whatever partial event followed them.
                 out = b"".join(e.raw for e in opened.head) + opened.sse.pending
                 tail = out[-_DONE_TAIL:]
+                ctx.aborted = ctx.aborted or ABORT_MARK in out
             if out:
                 await resp.write(out)
+            if ctx.stage == "aborted":
+                return "upstream_aborted"
             if any(e.kind is Kind.DONE for e in opened.head):
                 return "done"
         loop = asyncio.get_running_loop()
@@ -502,8 +521,12 @@ class Proxy:
                             await resp.write(out)
                         if ctx.stage == "done":
                             return "done"
+                        if ctx.stage == "aborted":
+                            return "upstream_aborted"
                     else:
                         tail = (tail + data)[-_DONE_TAIL:]
+                        if ABORT_MARK in data:
+                            ctx.aborted = True
                         await resp.write(data)
         except TimeoutError:
             kind = expired_kind(clock.monotonic(), deadline, wait.kind)
@@ -548,6 +571,12 @@ class Proxy:
                     continue  # the continuation's own role chunk: the client has one already
                 if ctx.stream_id is None:
                     ctx.stream_id, ctx.created = obj.get("id"), obj.get("created")
+            elif ev.kind is Kind.ABORT:
+                if ctx.migrate:
+                    # Hold the abort back: another replica may finish the answer.
+                    ctx.stage = "aborted"
+                    break
+                ctx.aborted = True
             elif ev.kind is Kind.DONE:
                 ctx.stage = "done"
             out.append(raw)
@@ -638,7 +667,7 @@ def _pass_through(status: int, raw: bytes, content_type: str) -> ApiError:
 
 
 # Ways a stream can end that another replica can continue from.
-_MIGRATABLE = frozenset({"upstream_reset", "upstream_closed", "itl_timeout"})
+_MIGRATABLE = frozenset({"upstream_reset", "upstream_closed", "itl_timeout", "upstream_aborted"})
 
 
 def _end_message(end: str) -> str:
@@ -647,4 +676,5 @@ def _end_message(end: str) -> str:
         "total_timeout": "The request reached its total deadline.",
         "upstream_reset": "The upstream replica failed mid-stream.",
         "upstream_closed": "The upstream replica closed the stream before it finished.",
+        "upstream_aborted": "The upstream replica aborted the request (it is shutting down).",
     }.get(end, f"The stream ended early: {end}.")

@@ -121,6 +121,9 @@ async def open_attempt(
                         raise AttemptFailed(
                             "error_event", True, _error_message(ev), status=502, body=None
                         )
+                    if ev.kind is Kind.ABORT and not got_token:
+                        # vLLM shutting down (abort mode) answers with an empty abort.
+                        raise AttemptFailed("aborted", True, "upstream aborted the request")
                     head.append(ev)
                     if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
                         got_token = True

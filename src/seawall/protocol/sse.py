@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# vLLM's compact chunk JSON, as a byte pattern the raw relay can look for cheaply.
+ABORT_MARK = b'"finish_reason":"abort"'
 _SEP = b"\n\n"
 
 
@@ -41,6 +43,7 @@ class SSEBuffer:
 
 class Kind(Enum):
     TOKEN = "token"  # carries generated output (or a finish reason)
+    ABORT = "abort"  # finish_reason "abort": the engine gave up on it (shutdown, abort)
     PRELUDE = "prelude"  # a chunk before any output: the chat role chunk, empty prefill chunks
     USAGE = "usage"  # the include_usage chunk: no choices, a usage object
     ERROR = "error"  # a mid-stream error event
@@ -81,7 +84,10 @@ def classify(raw: bytes) -> Event:
     if not choices:
         return Event(Kind.USAGE if obj.get("usage") else Kind.PRELUDE, raw, obj)
     for choice in choices:
-        if choice.get("finish_reason") is not None or choice_text(choice):
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            return Event(Kind.ABORT, raw, obj)
+        if finish is not None or choice_text(choice):
             return Event(Kind.TOKEN, raw, obj)
         delta = choice.get("delta")
         if delta and (delta.get("tool_calls") or delta.get("reasoning_content")):

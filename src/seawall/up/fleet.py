@@ -185,7 +185,9 @@ class InProcessGateway:
         # The supervisor sees an exit the moment it happens; the monitor would only
         # notice at its next failed probe.
         if event.kind == "exited" and self.gateway is not None:
-            self.gateway.monitor.notify_process_exited(event.status.replica_id, event.reason)
+            self.gateway.monitor.notify_process_exited(
+                event.status.replica_id, event.reason, failure=event.exit_code != 0
+            )
 
     def status(self) -> ReplicaStatus | None:
         if self.gateway is None:
