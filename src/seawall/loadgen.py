@@ -158,6 +158,10 @@ class _StreamState:
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
+            if choice.get("finish_reason") == "abort":
+                # vLLM ends in-flight streams this way when it shuts down: the answer
+                # is cut short even though [DONE] follows.
+                self.error = self.error or "finish_reason abort"
             delta = choice.get("delta")
             text = choice.get("text") or (delta.get("content") if isinstance(delta, dict) else "")
             if text:
