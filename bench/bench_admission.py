@@ -71,7 +71,8 @@ Figures per run:
 - probe shed/p50/p99 (overloaded runs with admission only): a quiet prober in its own
   process (blocking http.client, keep-alive) sends a 1-token completion every 20 ms
   during the window and times each 429 from sending to the status line: the gateway's
-  shed latency as a client sees it, without the load client's own event-loop lag.
+  shed latency as a client sees it, without the load client's own event-loop lag;
+  probe floor p99: the prober's GET /readyz, sent just before each of its completions.
 
 Then the ratios against the goals, with PASS/MISS, for each protected overloaded run:
 preemptions against run 2; tokens/s against run 1 (the brief's baseline) and run 0
@@ -357,6 +358,7 @@ class Result:
     max_running: float  # most requests running in one engine, sampled every 0.25 s
     probe_shed: list[float]  # the quiet prober's 429 latencies
     probe_served: int
+    probe_floor: list[float]  # the prober's GET /readyz latencies
 
 
 async def sample_running(
@@ -435,6 +437,7 @@ async def run_one(
         max_running=max(running, default=math.nan),
         probe_shed=probed.get("shed_s", []),
         probe_served=probed.get("served", 0),
+        probe_floor=probed.get("floor_s", []),
     )
 
 
@@ -552,6 +555,7 @@ async def amain(args: argparse.Namespace) -> int:
             "probe shed",
             "p50 ms",
             "p99",
+            "probe floor p99",
         ],
         [
             [
@@ -578,15 +582,25 @@ async def amain(args: argparse.Namespace) -> int:
                 len(r.probe_shed) if r.probe_shed else "-",
                 _ms(percentile(r.probe_shed, 50)),
                 _ms(percentile(r.probe_shed, 99)),
+                _ms(percentile(r.probe_floor, 99)),
             ]
             for r in results
         ],
     )
+    print()
     by_number = {int(r.name.split()[0]): r for r in results}
     bare, base, unprotected = (by_number.get(n) for n in (0, 1, 2))
     for r in (bare, base):
         if r is not None and r.preemptions:
-            print(f"\nnote: {r.name} preempted {int(r.preemptions)} times: capacity overstated")
+            why = (
+                "more than capacity ran in one engine"
+                if r.max_running > per_replica
+                else "with no engine seen over capacity"
+            )
+            print(
+                f"note: {r.name} preempted {int(r.preemptions)} times; {why} (max run "
+                f"{r.max_running:g}, capacity {per_replica} per replica)"
+            )
     print(
         f"\ngoals at {args.factor}x: preemptions <= {GOAL_PREEMPT_RATIO:.0%} of run 2's (no "
         f"admission); tokens/s >= {GOAL_TOKENS_RATIO:.0%} of run 1's (capacity, through "
@@ -641,7 +655,8 @@ async def amain(args: argparse.Namespace) -> int:
 
 def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     """The quiet prober: one blocking client in its own process, one small request every
-    `interval` s for `seconds`; prints {"shed_s": [429 latencies], "served": n}."""
+    `interval` s for `seconds`, each after a GET /readyz (the floor: the cheapest answer);
+    prints {"shed_s": [429 latencies], "floor_s": [/readyz latencies], "served": n}."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -650,11 +665,19 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
     shed: list[float] = []
+    floor: list[float] = []
     served = 0
     deadline = time.monotonic() + seconds
     for _ in range(int(seconds / interval) + 1):
         if time.monotonic() >= deadline:
             break
+        sent = time.perf_counter()
+        try:
+            conn.request("GET", "/readyz")
+            conn.getresponse().read()
+            floor.append(time.perf_counter() - sent)
+        except (OSError, http.client.HTTPException):
+            conn.close()
         sent = time.perf_counter()
         try:
             conn.request("POST", "/v1/completions", body, headers)
@@ -671,7 +694,7 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
             served += 1
         time.sleep(interval)
     conn.close()
-    print(json.dumps({"shed_s": shed, "served": served}))
+    print(json.dumps({"shed_s": shed, "floor_s": floor, "served": served}))
     return 0
 
 
