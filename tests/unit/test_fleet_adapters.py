@@ -31,6 +31,7 @@ def test_vllm_golden_scrape_reads_the_engine_load() -> None:
         prompt_tokens_total=120.0,
         # cache_config_info: num_gpu_blocks=27000, block_size=16, less the null block.
         kv_capacity_tokens=(27000 - 1) * 16,
+        kv_block_size=16,
         scraped_at=12.5,
     )
 

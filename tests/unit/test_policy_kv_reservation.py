@@ -1,4 +1,5 @@
-"""Admission by reserved KV tokens: in-flight prompt + max_tokens against the cache size."""
+"""Admission by reserved KV blocks: in-flight prompt + max_tokens (the incoming request
+included) against the cache's blocks."""
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -6,10 +7,12 @@ from hypothesis import strategies as st
 from seawall.policy.admission import kv_reservation_full
 
 
-def test_full_when_reservations_reach_the_cache() -> None:
-    assert kv_reservation_full(1000, 1520, 1.0) is None
-    reason = kv_reservation_full(1520, 1520, 1.0)
+def test_a_request_is_admitted_only_while_everything_would_fit() -> None:
+    # 99 usable blocks; five requests of 19 blocks fit (95), a sixth would not (114).
+    assert kv_reservation_full(5 * 19, 99, 1.0) is None
+    reason = kv_reservation_full(6 * 19, 99, 1.0)
     assert reason is not None and "kv_reserve_max" in reason
+    assert kv_reservation_full(99, 99, 1.0) is None  # exactly full still fits
 
 
 def test_overcommit_ratio_allows_more_than_the_cache() -> None:

@@ -67,7 +67,9 @@ class Adapter:
 
     def parse(self, text: str, scraped_at: float = 0.0) -> EngineLoad:
         values = _collect(text, frozenset(self.metric_names()))
-        capacity = _kv_capacity_tokens(text, self.kv_config) if self.kv_config else None
+        capacity, block_size = (
+            _kv_cache_config(text, self.kv_config) if self.kv_config else (None, None)
+        )
 
         def get(name: str | None, how: str = SUM) -> float | None:
             if name is None:
@@ -86,6 +88,7 @@ class Adapter:
             generation_tokens_total=get(self.generation_tokens_total),
             prompt_tokens_total=get(self.prompt_tokens_total),
             kv_capacity_tokens=capacity,
+            kv_block_size=block_size,
             scraped_at=scraped_at,
         )
 
@@ -230,14 +233,16 @@ def _parse_line(line: str, wanted: frozenset[str]) -> tuple[str, str, float] | N
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def _kv_capacity_tokens(text: str, info_name: str) -> float | None:
-    """Usable KV tokens from vLLM's cache_config_info labels, summed over engines.
+def _kv_cache_config(text: str, info_name: str) -> tuple[float | None, int | None]:
+    """(usable KV tokens, block size) from vLLM's cache_config_info labels; tokens are
+    summed over engines.
 
     vLLM keeps one block as the null block (`BlockPool.get_usage` divides by
     num_gpu_blocks - 1), so that block holds no tokens.
     """
     total = 0.0
     found = False
+    block_size = 0
     for labels, _ in parse_labelled(text, frozenset({info_name})).get(info_name, []):
         fields = dict(_LABEL.findall(labels))
         try:
@@ -246,4 +251,4 @@ def _kv_capacity_tokens(text: str, info_name: str) -> float | None:
             continue
         total += max(blocks - 1, 0) * block_size
         found = True
-    return total if found else None
+    return (total, block_size) if found else (None, None)

@@ -25,6 +25,7 @@ class EngineLoad:
     generation_tokens_total: float | None = None
     prompt_tokens_total: float | None = None
     kv_capacity_tokens: float | None = None  # usable KV cache, in tokens (vLLM cache config)
+    kv_block_size: int | None = None  # tokens per KV block (vLLM cache config)
     scraped_at: float = 0.0  # monotonic seconds
 
 

@@ -105,8 +105,8 @@ class Admin:
                     "backoff": r.backoff_until > now,
                 }
                 view = gw.replicas.view(r, gw.replicas.snapshot())
-                reason = gw.replicas.saturation(r, view, now)
-                item["reserved_kv_tokens"] = r.reserved_tokens
+                reason = gw.replicas.saturation(r, view, now, 0)
+                item["reserved_kv_blocks"] = r.reserved_blocks
                 item["saturated"] = reason is not None
                 item["saturation_reason"] = reason
             item["cordoned"] = any(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -36,7 +36,7 @@ from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
 from seawall.gateway.migrate import combined_usage, continuation_body
-from seawall.gateway.replicas import Replica
+from seawall.gateway.replicas import Replica, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, open_attempt
 from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
 from seawall.protocol.openai import ParsedRequest, Route, parse
@@ -82,6 +82,7 @@ class RequestCtx:
     migrations: int = 0
     migrate: bool = False
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
+    reserved: dict[str, int] = field(default_factory=dict)  # replica id -> blocks reserved
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     opened: Opened | None = None  # the upstream being relayed now
     aborted: bool = False  # the engine ended the stream with finish_reason "abort"
@@ -183,7 +184,7 @@ class Proxy:
         max_attempts = gw.config.retry.max_attempts
         while True:
             now = clock.monotonic()
-            replica = self._choose(req.model, now, tried)
+            replica = self._choose(ctx, now, tried)
             if replica is None:
                 raise self._exhausted(ctx, last, backoff, no_replica=not tried)
             if tried:
@@ -208,9 +209,16 @@ class Proxy:
                 if clock.monotonic() >= ctx.deadline:
                     raise self._exhausted(ctx, last, backoff) from None
 
-    def _choose(self, model: str, now: float, tried: set[str]) -> Replica | None:
-        free, saturated = self.gw.replicas.candidates(model, now, tried)
+    def _choose(self, ctx: RequestCtx, now: float, tried: set[str]) -> Replica | None:
+        free, saturated = self.gw.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
         return self.gw.replicas.choose(free or saturated)
+
+    @staticmethod
+    def _reserve(replica: Replica, ctx: RequestCtx) -> None:
+        if ctx.reserve_tokens:
+            blocks = blocks_for(ctx.reserve_tokens, replica.kv_block_size)
+            replica.reserved_blocks += blocks
+            ctx.reserved[replica.id] = ctx.reserved.get(replica.id, 0) + blocks
 
     async def _attempt(self, ctx: RequestCtx, replica: Replica, body: bytes) -> Opened:
         gw = self.gw
@@ -219,7 +227,7 @@ class Proxy:
             clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, ctx.req.stream
         )
         replica.inflight += 1
-        replica.reserved_tokens += ctx.reserve_tokens
+        self._reserve(replica, ctx)
         gw.metrics.inflight.labels(replica.id).inc()
         ok = False
         try:
@@ -243,7 +251,7 @@ class Proxy:
         finally:
             if not ok:
                 replica.inflight -= 1
-                replica.reserved_tokens -= ctx.reserve_tokens
+                replica.reserved_blocks -= ctx.reserved.pop(replica.id, 0)
                 gw.metrics.inflight.labels(replica.id).dec()
 
     def _attempt_failed(self, replica: Replica, f: AttemptFailed) -> None:
@@ -277,7 +285,7 @@ class Proxy:
             return primary.result()
         assert ctx.req is not None
         now = clock.monotonic()
-        second = self._choose(ctx.req.model, now, tried)
+        second = self._choose(ctx, now, tried)
         if second is None or not gw.budget.try_withdraw(now):
             if second is not None:
                 gw.metrics.retry_budget_exhausted.inc()
@@ -392,7 +400,7 @@ class Proxy:
     def _release(self, replica: Replica, opened: Opened, ctx: RequestCtx) -> None:
         opened.close()
         replica.inflight -= 1
-        replica.reserved_tokens -= ctx.reserve_tokens
+        replica.reserved_blocks -= ctx.reserved.pop(replica.id, 0)
         self.gw.metrics.inflight.labels(replica.id).dec()
 
     async def _relay(
@@ -605,7 +613,7 @@ class Proxy:
             return None
         tried = {failed.id}
         while True:
-            replica = self._choose(req.model, clock.monotonic(), tried)
+            replica = self._choose(ctx, clock.monotonic(), tried)
             if replica is None or clock.monotonic() >= ctx.deadline:
                 gw.metrics.migrations.labels("failed").inc()
                 return None

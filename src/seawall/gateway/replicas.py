@@ -29,7 +29,8 @@ class Replica:
     api_key: str | None = None
     engine: str = "auto"
     inflight: int = 0
-    reserved_tokens: int = 0  # prompt + max_tokens of requests in flight (KV admission)
+    reserved_blocks: int = 0  # KV blocks requests in flight may grow to (KV admission)
+    kv_block_size: int = 16  # learned from the engine's cache config; vLLM's default
     streams: int = 0  # streaming responses being relayed now
     chunks_relayed: int = 0
     ejected_until: float = 0.0
@@ -67,8 +68,8 @@ class ReplicaSet:
         self._rng = rng or random.Random()
         self.snapshot: Callable[[], FleetSnapshot] = lambda: FleetSnapshot()
         # Admission's verdict per replica (None = may take work); default: the snapshot's.
-        self.saturation: Callable[[Replica, ReplicaView, float], str | None] = lambda r, v, now: (
-            v.saturation_reason or ("saturated" if v.saturated else None)
+        self.saturation: Callable[[Replica, ReplicaView, float, int], str | None] = (
+            lambda r, v, now, need: v.saturation_reason or ("saturated" if v.saturated else None)
         )
 
     def add(self, replica: Replica) -> None:
@@ -99,9 +100,10 @@ class ReplicaSet:
         return self.view(replica, snap).routable
 
     def candidates(
-        self, model: str, now: float, exclude: Iterable[str] = ()
+        self, model: str, now: float, exclude: Iterable[str] = (), need_tokens: int = 0
     ) -> tuple[list[Replica], list[Replica]]:
-        """(usable and not saturated, usable but saturated) replicas serving `model`."""
+        """(usable and not saturated, usable but saturated) replicas serving `model`, for a
+        request that may grow to `need_tokens` KV tokens."""
         snap = self.snapshot()
         skip = set(exclude)
         free: list[Replica] = []
@@ -109,7 +111,8 @@ class ReplicaSet:
         for r in self._replicas.values():
             if r.model != model or r.id in skip or not self.usable(r, now, snap):
                 continue
-            (saturated if self.saturation(r, self.view(r, snap), now) else free).append(r)
+            view = self.view(r, snap)
+            (saturated if self.saturation(r, view, now, need_tokens) else free).append(r)
         return free, saturated
 
     def choose(self, candidates: list[Replica]) -> Replica | None:
@@ -126,3 +129,8 @@ class ReplicaSet:
     def any_ready(self, now: float) -> bool:
         snap = self.snapshot()
         return any(r.model and self.usable(r, now, snap) for r in self._replicas.values())
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV blocks `tokens` occupy: whole blocks, as the engine allocates them."""
+    return -(-tokens // max(block_size, 1)) if tokens > 0 else 0

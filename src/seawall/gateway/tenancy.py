@@ -13,6 +13,7 @@ block on the fleet: replica load comes from the published snapshot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 from collections import deque
@@ -27,7 +28,7 @@ from seawall.config import ConfigError, GatewayConfig, TimeoutOverrides, format_
 from seawall.errors import ApiError, rate_limited
 from seawall.fleet.view import EngineLoad, ReplicaView
 from seawall.gateway.proxy import RequestCtx
-from seawall.gateway.replicas import Replica
+from seawall.gateway.replicas import Replica, blocks_for
 from seawall.policy.admission import (
     AdmissionThresholds,
     Queue,
@@ -180,6 +181,7 @@ class TenancyGuard:
         self.limits = {name: tier.limits() for name, tier in self.tiers.items()}
         self.backend: LimitsBackend = backend or MemoryLimits()
         self.thresholds = self.admission.thresholds()
+        self.thresholds_reserving = dataclasses.replace(self.thresholds, kv_usage_max=1.0)
         self.counters: dict[str, TokenCounter] = {
             model: HFTokenizerCounter(path) for model, path in self.admission.tokenizers.items()
         }
@@ -281,7 +283,7 @@ class TenancyGuard:
         gw = self.gw
         model = ctx.model
         now = clock.monotonic()
-        free, saturated = gw.replicas.candidates(model, now)
+        free, saturated = gw.replicas.candidates(model, now, need_tokens=ctx.reserve_tokens)
         if free or not saturated:
             return  # room somewhere, or nothing usable at all (the proxy answers 503)
         queue_len = self.queued.get(model, 0)
@@ -307,7 +309,7 @@ class TenancyGuard:
             while True:
                 await asyncio.sleep(0.01)
                 now = clock.monotonic()
-                free, _ = gw.replicas.candidates(model, now)
+                free, _ = gw.replicas.candidates(model, now, need_tokens=ctx.reserve_tokens)
                 if free:
                     return
                 if now >= deadline:
@@ -356,16 +358,29 @@ class TenancyGuard:
 
     # -- saturation, read by routing ----------------------------------------------------
 
-    def saturation(self, replica: Replica, view: ReplicaView, now: float) -> str | None:
+    def saturation(
+        self, replica: Replica, view: ReplicaView, now: float, need_tokens: int = 0
+    ) -> str | None:
+        """Why `replica` should not take a request that may grow to `need_tokens`, or None."""
         load = view.load
         if load is None:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         rate = self._preemption_rate(replica.id, load)
-        return replica_saturated(
-            load, replica.inflight, rate, now, self.thresholds
-        ) or kv_reservation_full(
-            replica.reserved_tokens, load.kv_capacity_tokens, self.admission.kv_reserve_max
+        reserving = self.admission.kv_reserve_max is not None and bool(load.kv_capacity_tokens)
+        # With exact reservations the KV gauge adds nothing but lag: a slot freed a moment
+        # ago still shows as used until the next scrape, and would shed for no reason.
+        thresholds = self.thresholds_reserving if reserving else self.thresholds
+        reason = replica_saturated(load, replica.inflight, rate, now, thresholds)
+        if reason or not reserving or load.kv_capacity_tokens is None:
+            return reason
+        if load.kv_block_size:
+            replica.kv_block_size = load.kv_block_size
+        block = replica.kv_block_size
+        return kv_reservation_full(
+            replica.reserved_blocks + blocks_for(need_tokens, block),
+            load.kv_capacity_tokens / block,
+            self.admission.kv_reserve_max,
         )
 
     def _preemption_rate(self, replica_id: str, load: EngineLoad) -> float | None:

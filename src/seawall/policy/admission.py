@@ -160,24 +160,26 @@ def on_fleet_saturated(
 
 
 def kv_reservation_full(
-    reserved_tokens: float, capacity_tokens: float | None, max_ratio: float | None
+    reserved_blocks: float, capacity_blocks: float | None, max_ratio: float | None
 ) -> str | None:
     """Saturated by reservations: the replica's in-flight requests may grow to fill its KV cache.
 
     Why reserve and not only read `kv_usage`: a request's KV grows by one token per step
     until it finishes, so a cache that is 60 % full now can be over-full in a few hundred
     steps with nothing new admitted, and then the engine preempts. Each in-flight request
-    reserves its prompt plus `max_tokens` (what it may grow to); a replica whose
-    reservations reach `max_ratio` of its cache takes no new work. `max_ratio` 1.0 means
+    reserves the KV blocks its prompt plus `max_tokens` may grow to (whole blocks, as the
+    engine allocates them); a request is admitted to a replica only while the replica's
+    reservations *including this request* stay within `max_ratio` of its blocks, so the
+    caller passes `reserved_blocks` with the incoming request counted. `max_ratio` 1.0 means
     no preemption even if every request runs to `max_tokens`; above 1.0 overcommits,
     betting that requests stop early (at end of sequence) as most do. None disables.
     """
-    if max_ratio is None or not capacity_tokens:
+    if max_ratio is None or not capacity_blocks:
         return None
-    limit = capacity_tokens * max_ratio
-    if reserved_tokens >= limit:
+    limit = capacity_blocks * max_ratio
+    if reserved_blocks > limit:
         return (
-            f"{reserved_tokens:.0f} KV tokens reserved by requests in flight, at "
-            f"{max_ratio:g} x the cache's {capacity_tokens:.0f} (kv_reserve_max)"
+            f"{reserved_blocks:.0f} KV blocks would be reserved by requests in flight, over "
+            f"{max_ratio:g} x the cache's {capacity_blocks:.0f} (kv_reserve_max)"
         )
     return None
