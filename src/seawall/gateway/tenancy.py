@@ -189,7 +189,7 @@ class TenancyGuard:
         self.queued: dict[str, int] = {}
         self._completions: deque[float] = deque(maxlen=512)
         self._orphans: set[asyncio.Future[None]] = set()
-        self._preemptions: dict[str, tuple[float, float, float]] = {}  # id -> (total, at, rate)
+        self._trends: dict[str, _Trend] = {}  # per replica, updated once per new scrape
         if self.admission.enabled:
             gw.replicas.saturation = self.saturation
 
@@ -366,7 +366,9 @@ class TenancyGuard:
         if load is None:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
-        rate = self._preemption_rate(replica.id, load)
+        load = self._trend(replica.id, load)
+        trend = self._trends.get(replica.id)
+        rate = trend.preemption_rate_per_s if trend is not None else None
         reserving = self.admission.kv_reserve_max is not None and bool(load.kv_capacity_tokens)
         # With exact reservations the KV gauge adds nothing but lag: a slot freed a moment
         # ago still shows as used until the next scrape, and would shed for no reason.
@@ -383,19 +385,37 @@ class TenancyGuard:
             self.admission.kv_reserve_max,
         )
 
-    def _preemption_rate(self, replica_id: str, load: EngineLoad) -> float | None:
-        total = load.preemptions_total
-        if total is None:
-            return None
-        prev = self._preemptions.get(replica_id)
-        if prev is None or load.scraped_at <= prev[1]:
-            if prev is None:
-                self._preemptions[replica_id] = (total, load.scraped_at, 0.0)
-                return None
-            return prev[2]
-        rate = max(0.0, total - prev[0]) / (load.scraped_at - prev[1])
-        self._preemptions[replica_id] = (total, load.scraped_at, rate)
-        return rate
+    def _trend(self, replica_id: str, load: EngineLoad) -> EngineLoad:
+        """The load admission judges: the waiting queue as the smaller of the last two
+        scrapes, and the preemption rate between them.
+
+        A raw waiting gauge spikes at step boundaries as a burst of new requests lands
+        (5% of 100 ms samples read over 5, up to 20, on an idle emulator fleet), and the
+        engine admits such a burst within a step or two. A queue seen in two scrapes in a
+        row has lasted at least a scrape interval: that one is real.
+        """
+        prev = self._trends.get(replica_id)
+        if prev is not None and load.scraped_at <= prev.scraped_at:
+            return prev.smoothed
+        waiting = load.waiting
+        rate: float | None = None
+        if prev is not None:
+            if waiting is not None and prev.raw.waiting is not None:
+                waiting = min(waiting, prev.raw.waiting)
+            total, before = load.preemptions_total, prev.raw.preemptions_total
+            if total is not None and before is not None:
+                rate = max(0.0, total - before) / (load.scraped_at - prev.scraped_at)
+        smoothed = dataclasses.replace(load, waiting=waiting)
+        self._trends[replica_id] = _Trend(load.scraped_at, load, smoothed, rate)
+        return smoothed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Trend:
+    scraped_at: float
+    raw: EngineLoad
+    smoothed: EngineLoad
+    preemption_rate_per_s: float | None
 
 
 def warn_if_open(config: GatewayConfig) -> None:
