@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
+from seawall.policy.deadline import Wait, first_token_wait, idle_check
 
 secs = st.floats(min_value=0, max_value=1e5, allow_nan=False)
 
@@ -31,30 +31,40 @@ def test_non_streaming_has_only_the_total_deadline() -> None:
     assert (w.seconds, w.kind) == (600.0, "total")
 
 
-def test_inter_token_wait() -> None:
-    assert next_chunk_wait(now=10.0, deadline=100.0, itl_s=5.0).kind == "itl"
-    w = next_chunk_wait(now=98.0, deadline=100.0, itl_s=5.0)
-    assert (w.seconds, w.kind) == (2.0, "total")
+def test_inter_token_idle_check() -> None:
+    # Streaming since t=0, last chunk at t=10, idle timeout 5 s, deadline t=100.
+    assert idle_check(now=12.0, last_chunk_at=10.0, deadline=100.0, itl_s=5.0) == Wait(3.0, "itl")
+    assert idle_check(now=15.0, last_chunk_at=10.0, deadline=100.0, itl_s=5.0) == "itl"
+    # Near the deadline the wait is cut short and named total.
+    assert idle_check(now=98.0, last_chunk_at=97.0, deadline=100.0, itl_s=5.0) == Wait(2.0, "total")
 
 
-def test_past_the_deadline_every_wait_is_zero_and_total() -> None:
-    assert next_chunk_wait(now=101.0, deadline=100.0, itl_s=5.0).seconds == 0.0
+def test_the_total_deadline_wins_a_tie() -> None:
+    assert idle_check(now=100.0, last_chunk_at=95.0, deadline=100.0, itl_s=5.0) == "total"
+    assert idle_check(now=101.0, last_chunk_at=100.5, deadline=100.0, itl_s=5.0) == "total"
     assert first_token_wait(now=101.0, deadline=100.0, ttft_s=5.0, stream=True).seconds == 0.0
-    assert expired_kind(100.0, 100.0, "itl") == "total"
-    assert expired_kind(99.0, 100.0, "itl") == "itl"
 
 
-@given(now=secs, span=secs, itl=st.floats(min_value=0.001, max_value=1e4), ttft=secs)
+@given(
+    now=secs,
+    span=secs,
+    itl=st.floats(min_value=0.001, max_value=1e4),
+    ttft=secs,
+    idle=st.floats(min_value=0, max_value=1e4),
+)
 def test_a_wait_never_outlives_the_deadline(
-    now: float, span: float, itl: float, ttft: float
+    now: float, span: float, itl: float, ttft: float, idle: float
 ) -> None:
     deadline = now + span
+    remaining = max(0.0, deadline - now)
     for w in (
-        next_chunk_wait(now, deadline, itl),
         first_token_wait(now, deadline, ttft, stream=True),
         first_token_wait(now, deadline, ttft, stream=False),
+        idle_check(now, now - idle, deadline, itl),
     ):
-        remaining = max(0.0, deadline - now)
+        if not isinstance(w, Wait):
+            assert w == "total" or (w == "itl" and idle >= itl)
+            continue
         assert 0.0 <= w.seconds <= remaining
         # Only the total timeout may wait all the way to the deadline.
         if w.kind != "total":

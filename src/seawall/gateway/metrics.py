@@ -20,6 +20,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from seawall.gateway.fastmetrics import FastHistogram
+
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -80,12 +82,13 @@ class Metrics:
             buckets=TTFT_BUCKETS_S,
             registry=r,
         )
-        self.itl = Histogram(
+        # Observed on every chunk: the lock-free kind (see fastmetrics.py).
+        self.itl = FastHistogram(
             ITL,
             "Gap between consecutive streamed chunks relayed to the client.",
             ["model"],
-            buckets=ITL_BUCKETS_S,
-            registry=r,
+            ITL_BUCKETS_S,
+            r,
         )
         self.e2e = Histogram(
             E2E,

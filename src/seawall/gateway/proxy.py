@@ -35,10 +35,11 @@ from aiohttp import web
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body
 from seawall.gateway.replicas import Replica, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, open_attempt
-from seawall.policy.deadline import expired_kind, first_token_wait, next_chunk_wait
+from seawall.policy.deadline import first_token_wait
 from seawall.protocol.openai import ParsedRequest, Route, parse
 from seawall.protocol.sse import (
     ABORT_MARK,
@@ -502,47 +503,45 @@ class Proxy:
                 return "upstream_aborted"
             if any(e.kind is Kind.DONE for e in opened.head):
                 return "done"
-        loop = asyncio.get_running_loop()
-        itl_s = ctx.timeouts.itl_s
-        deadline = ctx.deadline
         content = opened.resp.content
         sse = opened.sse
         last = opened.first_token_at
-        wait = next_chunk_wait(clock.monotonic(), deadline, itl_s)
+        timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, last)
         try:
-            async with asyncio.timeout(wait.seconds) as timer:
-                while True:
-                    data = await content.readany()
-                    if not data:
-                        return "done" if tail.endswith(DONE_EVENT) else "upstream_closed"
-                    now = clock.monotonic()
-                    itl_hist.observe(now - last)
-                    replica.observe_itl(now - last)
-                    last = now
-                    replica.chunks_relayed += 1
-                    wait = next_chunk_wait(now, deadline, itl_s)
-                    timer.reschedule(loop.time() + wait.seconds)
-                    if parse_events:
-                        out = self._filter(ctx, sse.feed(data))
-                        tail = out[-_DONE_TAIL:] if out else tail
-                        if out:
-                            await resp.write(out)
-                        if ctx.stage == "done":
-                            return "done"
-                        if ctx.stage == "aborted":
-                            return "upstream_aborted"
-                    else:
-                        tail = (tail + data)[-_DONE_TAIL:]
-                        if ABORT_MARK in data:
-                            ctx.aborted = True
-                        await resp.write(data)
-        except TimeoutError:
-            kind = expired_kind(clock.monotonic(), deadline, wait.kind)
+            while True:
+                data = await content.readany()
+                if not data:
+                    return "done" if tail.endswith(DONE_EVENT) else "upstream_closed"
+                now = clock.monotonic()
+                itl_hist.observe(now - last)
+                replica.observe_itl(now - last)
+                last = timer.last = now
+                replica.chunks_relayed += 1
+                if parse_events:
+                    out = self._filter(ctx, sse.feed(data))
+                    tail = out[-_DONE_TAIL:] if out else tail
+                    if out:
+                        await resp.write(out)
+                    if ctx.stage == "done":
+                        return "done"
+                    if ctx.stage == "aborted":
+                        return "upstream_aborted"
+                else:
+                    tail = (tail + data)[-_DONE_TAIL:]
+                    if ABORT_MARK in data:
+                        ctx.aborted = True
+                    await resp.write(data)
+        except asyncio.CancelledError:
+            kind = timer.expired()
+            if kind is None:
+                raise
             gw.metrics.timeouts.labels(kind).inc()
             return f"{kind}_timeout"
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             ctx.error = str(e)
             return "upstream_reset"
+        finally:
+            timer.close()
 
     def _filter(self, ctx: RequestCtx, events: list[bytes]) -> bytes:
         """Event-level relay: capture usage, strip the usage chunk we added, track the text

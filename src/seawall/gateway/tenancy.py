@@ -227,7 +227,11 @@ class TenancyGuard:
         if decision.max_tokens != requested:
             req.set(req.max_tokens_field(), decision.max_tokens)
         if reserve:
-            ctx.reserve_tokens = prompt_tokens + decision.max_tokens
+            # vLLM clamps prompt + max_tokens to max_model_len, so no request grows past it.
+            card = self.gw.model_cards.get(req.model) or {}
+            cap = card.get("max_model_len")
+            need = prompt_tokens + decision.max_tokens
+            ctx.reserve_tokens = min(need, cap) if isinstance(cap, int) and cap > 0 else need
         # 3. tenant rates and concurrency
         if limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent:
             # Shielded: if the client leaves while a shared backend runs the acquire, the
@@ -378,6 +382,8 @@ class TenancyGuard:
             return reason
         if load.kv_block_size:
             replica.kv_block_size = load.kv_block_size
+        if replica.reserved_blocks == 0:
+            return None  # alone on the replica, a request fits or the engine says why not
         block = replica.kv_block_size
         return kv_reservation_full(
             replica.reserved_blocks + blocks_for(need_tokens, block),

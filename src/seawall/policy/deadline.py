@@ -39,14 +39,18 @@ def first_token_wait(
     return Wait(remaining, "total")
 
 
-def next_chunk_wait(now: float, deadline: float, itl_s: float) -> Wait:
-    """Wait for the next chunk of a stream that has started."""
-    remaining = max(0.0, deadline - now)
-    if itl_s < remaining:
-        return Wait(itl_s, "itl")
-    return Wait(remaining, "total")
-
-
-def expired_kind(now: float, deadline: float, waited_kind: TimeoutKind) -> TimeoutKind:
-    """The kind to report when a wait ran out at `now`: the total deadline wins ties."""
-    return "total" if now >= deadline else waited_kind
+def idle_check(
+    now: float, last_chunk_at: float, deadline: float, itl_s: float
+) -> Wait | TimeoutKind:
+    """For a stream that has started: the timeout that has expired by `now`, or how long
+    until one could. The total deadline wins a tie, so a wait cut short by it is
+    reported as `total`, never as `itl`."""
+    if now >= deadline:
+        return "total"
+    if now - last_chunk_at >= itl_s:
+        return "itl"
+    idle_left = last_chunk_at + itl_s - now
+    total_left = deadline - now
+    if idle_left < total_left:
+        return Wait(idle_left, "itl")
+    return Wait(total_left, "total")
