@@ -35,7 +35,6 @@ from aiohttp import web
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
-from seawall.gateway.direct import DirectRelay
 from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body
 from seawall.gateway.replicas import Replica, blocks_for
@@ -88,7 +87,6 @@ class RequestCtx:
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     opened: Opened | None = None  # the upstream being relayed now
     aborted: bool = False  # the engine ended the stream with finish_reason "abort"
-    client_transport: asyncio.Transport | None = None  # for the direct relay
     stream_id: str | None = None  # the first upstream's id and created, kept across migrations
     created: int | None = None
 
@@ -424,10 +422,6 @@ class Proxy:
                 "X-Request-Id": ctx.request_id,
             },
         )
-        if request.version >= (1, 1):
-            resp.enable_chunked_encoding()  # explicit: the direct relay frames chunks itself
-            transport = request.transport
-            ctx.client_transport = transport if isinstance(transport, asyncio.Transport) else None
         ctx.stage = "streaming"
         ctx.status = 200
         replica.streams += 1
@@ -513,24 +507,7 @@ class Proxy:
         sse = opened.sse
         last = opened.first_token_at
         timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, last)
-        transport = direct_transport(resp, ctx)
         try:
-            if not parse_events and transport is not None:
-                state = {"last": last}
-
-                def on_chunk(now: float) -> None:
-                    gap = now - state["last"]
-                    itl_hist.observe(gap)
-                    replica.observe_itl(gap)
-                    state["last"] = timer.last = now
-                    replica.chunks_relayed += 1
-
-                relay = DirectRelay(content, transport, on_chunk, tail)
-                end = await relay.run()
-                ctx.aborted = ctx.aborted or relay.aborted
-                if relay.error is not None:
-                    ctx.error = str(relay.error)
-                return end
             while True:
                 data = await content.readany()
                 if not data:
@@ -689,15 +666,6 @@ class Proxy:
                     }
                 ).decode(),
             )
-
-
-def direct_transport(resp: web.StreamResponse, ctx: RequestCtx) -> asyncio.Transport | None:
-    """The client's transport when the direct relay may write to it: a chunked HTTP/1.1
-    response whose connection is open."""
-    transport = ctx.client_transport
-    if not resp.chunked or transport is None or transport.is_closing():
-        return None
-    return transport
 
 
 def _pass_through(status: int, raw: bytes, content_type: str) -> ApiError:
