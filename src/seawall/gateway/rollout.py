@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from seawall import clock
-from seawall.actuate.base import DrainReport, ReplicaRef
+from seawall.actuate.base import ReplicaRef
 
 if TYPE_CHECKING:
     from seawall.actuate.local import LocalSupervisor
@@ -232,7 +232,3 @@ def _ttft_totals(gw: Gateway) -> tuple[float, float]:
             elif s.name.endswith("_sum"):
                 total += s.value
     return count, total
-
-
-def drain_report(replica_id: str, cut: int, exited: bool) -> DrainReport:
-    return DrainReport(replica_id, cut, exited)

@@ -16,7 +16,6 @@ import asyncio
 from dataclasses import dataclass
 
 import aiohttp
-import orjson
 
 from seawall import clock
 from seawall.gateway.replicas import Replica
@@ -182,9 +181,8 @@ async def _http_failure(resp: aiohttp.ClientResponse) -> AttemptFailed:
 
 
 def _error_message(ev: Event) -> str:
-    if ev.obj and isinstance(ev.obj.get("error"), dict):
-        return str(ev.obj["error"].get("message", "upstream error event"))
-    try:
-        return orjson.loads(ev.raw[6:]).get("error", {}).get("message", "upstream error event")  # type: ignore[no-any-return]
-    except (orjson.JSONDecodeError, AttributeError):
-        return "upstream error event"
+    """The engine's message from an error event (classify has parsed it when it could)."""
+    error = ev.obj.get("error") if ev.obj else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return "upstream error event"
