@@ -8,6 +8,7 @@ one file describes one gateway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -145,17 +146,43 @@ class ConfigError(Exception):
     """A configuration problem, with every offending field named."""
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
+def _model_at(root: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
+    """The schema model that holds the field at `loc` (for listing allowed fields)."""
+    model = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        candidates = getattr(annotation, "__args__", (annotation,))
+        nested = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if nested is None:
+            return None if isinstance(part, str) and part not in model.model_fields else model
+        model = nested
+    return model
+
+
+def format_validation_error(
+    err: ValidationError, source: str, root: type[BaseModel] | None = None
+) -> str:
+    """One line per error: the field's dotted path, what was wrong, and what is allowed.
+
+    With `root` (the model validated), an unknown field lists the fields allowed there.
+    Values of fields named like keys or tokens are never echoed.
+    """
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(root)"
-        got = e.get("input")
-        secret = any("key" in str(part) or "token" in str(part) for part in e["loc"])
-        shown = "" if secret or isinstance(got, dict | list) else f" (got {got!r})"
-        msg = e["msg"].removeprefix("Value error, ")
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        where = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see seawall/config.py for every field)"
-        lines.append(f"  {where}: {msg}{shown}")
+            holder = _model_at(root, loc) if root is not None else None
+            allowed = f"; allowed: {', '.join(holder.model_fields)}" if holder else ""
+            lines.append(f"  {where}: unknown field{allowed}")
+            continue
+        got = e.get("input")
+        secret = any("key" in str(part) or "token" in str(part) for part in loc)
+        shown = "" if secret or isinstance(got, dict | list) else f" (got {got!r})"
+        lines.append(f"  {where}: {e['msg'].removeprefix('Value error, ')}{shown}")
     return "\n".join(lines)
 
 
@@ -167,7 +194,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, GatewayConfig)) from None
 
 
 def load_config(path: str | Path) -> GatewayConfig:

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from seawall.actuate.local import DEFAULT_COMMAND, render_command
+from seawall.config import format_validation_error
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -99,37 +100,9 @@ def _allowed(model: type[BaseModel]) -> str:
     return ", ".join(model.model_fields)
 
 
-def _model_at(loc: Sequence[int | str]) -> type[BaseModel]:
-    """The schema model that holds the field at `loc` (for listing allowed fields)."""
-    model: type[BaseModel] = UpConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = field.annotation if field is not None else None
-        candidates = getattr(annotation, "__args__", (annotation,))
-        nested = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-        if nested is None:
-            break
-        model = nested
-    return model
-
-
 def format_errors(e: ValidationError, source: str) -> str:
     """One line per error: the field's dotted path, what was wrong, what is allowed."""
-    lines = [f"{source}: invalid configuration"]
-    for err in e.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            holder = _model_at(loc)
-            lines.append(f"  {where}: unknown field; allowed: {_allowed(holder)}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        got = err.get("input")
-        shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-        lines.append(f"  {where}: {msg}{shown}")
-    return "\n".join(lines)
+    return format_validation_error(e, source, UpConfig)
 
 
 def parse_up_config(data: object, source: str = "config") -> UpConfig:
