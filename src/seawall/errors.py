@@ -67,10 +67,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def not_found(message: str, param: str | None = None) -> ApiError:
-    return ApiError(404, message, param=param)
-
-
 def rate_limited(message: str, retry_after_s: float, code: str | None = None) -> ApiError:
     return ApiError(
         429, message, code=code, headers={"Retry-After": str(retry_after_header(retry_after_s))}

@@ -3,13 +3,13 @@ the gateway in-process with the admin API, so the fleet monitor acts on real pro
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from seawall.actuate.local import DEFAULT_COMMAND
 from seawall.auth import hash_key
 from tests.support.fleet import MODEL, wait_until
 from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
@@ -19,22 +19,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def sim_command(*extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "seawall",
-        "sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--model",
-        "{model}",
-        "--enable-faults",
-        "--step-base-ms",
-        "5",
-        *extra,
-    ]
+    """The supervisor's default replica command, with faults on and a quick step."""
+    return [*DEFAULT_COMMAND, "--enable-faults", "--step-base-ms", "5", *extra]
 
 
 class Up:

@@ -75,7 +75,9 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.replicas = ReplicaSet(rng or random.Random(config.seed))
         for i, rc in enumerate(config.replicas):
-            self.add_replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+            self.replicas.add(
+                Replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+            )
         r = config.retry
         self.budget = RetryBudget(
             ratio=r.budget_ratio,
@@ -138,11 +140,10 @@ class Gateway:
         api_key: str | None = None,
         engine: str = "auto",
     ) -> Replica:
+        """A replica joins routing and the fleet monitor (rollouts, discovery)."""
         replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
         self.replicas.add(replica)
-        monitor: FleetMonitor | None = getattr(self, "monitor", None)
-        if monitor is not None:
-            monitor.add_replica(_spec(replica))
+        self.monitor.add_replica(_spec(replica))
         return replica
 
     def apply_discovered(self, specs: list[ReplicaSpec]) -> None:

@@ -75,6 +75,7 @@ class RequestCtx:
     completion_tokens: int = 0
     usage: dict[str, Any] | None = None
     strip_usage: bool = False  # include_usage was added upstream by us
+    reconcile: bool = False  # a prompt-token charge to settle with the engine's usage
     track_text: bool = False
     text: str = ""
     error: str = ""
@@ -372,7 +373,7 @@ class Proxy:
             body = opened.body or b""
             ctx.ttft_s = opened.first_token_at - ctx.started
             self._attempt_ok(replica, ctx, opened)
-            if ctx.lease is not None or gw.guard is not None:
+            if ctx.reconcile:
                 try:
                     obj = orjson.loads(body)
                     ctx.usage = usage_of(obj) if isinstance(obj, dict) else None
@@ -487,7 +488,7 @@ class Proxy:
         gw = self.gw
         replica = opened.replica
         itl_hist = gw.metrics.itl.labels(ctx.model)
-        parse_events = ctx.strip_usage or ctx.track_text or ctx.lease is not None
+        parse_events = ctx.strip_usage or ctx.track_text or ctx.reconcile
         tail = b""
         if head and opened.head:
             if parse_events:

@@ -258,6 +258,7 @@ class TenancyGuard:
                 self._shed(ctx, got.reason)
                 raise denied_error(got)
             ctx.lease = got
+            ctx.reconcile = bool(limits.prompt_tokens_per_min)
             if req.stream and limits.prompt_tokens_per_min and not req.include_usage:
                 # Reconciliation needs the engine's usage; ask for it and strip it again.
                 opts = req.obj.get("stream_options")
