@@ -16,6 +16,7 @@ test checks that both parsers read the same values from that scrape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -94,26 +95,21 @@ class Adapter:
 
 
 # Names per docs/engines-reference.md §1.2 (vLLM 0.33), §1.4 (renames), §4 (others).
+_VLLM = Adapter(
+    EngineKind.VLLM,
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    kv_usage="vllm:kv_cache_usage_perc",
+    preemptions_total="vllm:num_preemptions_total",
+    generation_tokens_total="vllm:generation_tokens_total",
+    prompt_tokens_total="vllm:prompt_tokens_total",
+    kv_config="vllm:cache_config_info",
+)
 ADAPTERS: Mapping[EngineKind, Adapter] = {
-    EngineKind.VLLM: Adapter(
-        EngineKind.VLLM,
-        running="vllm:num_requests_running",
-        waiting="vllm:num_requests_waiting",
-        kv_usage="vllm:kv_cache_usage_perc",
-        preemptions_total="vllm:num_preemptions_total",
-        generation_tokens_total="vllm:generation_tokens_total",
-        prompt_tokens_total="vllm:prompt_tokens_total",
-        kv_config="vllm:cache_config_info",
-    ),
-    EngineKind.VLLM_LEGACY: Adapter(
-        EngineKind.VLLM_LEGACY,
-        running="vllm:num_requests_running",
-        waiting="vllm:num_requests_waiting",
-        kv_usage="vllm:gpu_cache_usage_perc",
-        preemptions_total="vllm:num_preemptions_total",
-        generation_tokens_total="vllm:generation_tokens_total",
-        prompt_tokens_total="vllm:prompt_tokens_total",
-        kv_config="vllm:cache_config_info",
+    EngineKind.VLLM: _VLLM,
+    # Before 0.10 only the KV gauge had another name.
+    EngineKind.VLLM_LEGACY: dataclasses.replace(
+        _VLLM, kind=EngineKind.VLLM_LEGACY, kv_usage="vllm:gpu_cache_usage_perc"
     ),
     EngineKind.SGLANG: Adapter(
         EngineKind.SGLANG,
