@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from yarl import URL
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -33,8 +34,8 @@ class ReplicaConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
+        if not v.startswith(("http://", "https://")) or not URL(v).host:
+            raise ValueError("must be an http:// or https:// URL with a host")
         return v.rstrip("/")
 
 

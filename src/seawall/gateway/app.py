@@ -28,6 +28,7 @@ from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.admin import Admin
 from seawall.gateway.engine_args import warn_if_context_too_small
+from seawall.gateway.h1 import H1Pool
 from seawall.gateway.metrics import Metrics
 from seawall.gateway.proxy import Proxy, RequestCtx
 from seawall.gateway.replicas import Replica, ReplicaSet
@@ -96,6 +97,9 @@ class Gateway:
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.proxy = Proxy(self)
         self._session: aiohttp.ClientSession | None = None
+        # The request path's upstream connections (hand-written, see h1.py); the session
+        # above serves the gateway's other calls to replicas.
+        self.pool = H1Pool()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
@@ -365,6 +369,7 @@ class Gateway:
         await self.monitor.actuator.close()
         if self.guard is not None:
             await self.guard.close()
+        self.pool.close()
         if self._session is not None:
             await self._session.close()
 

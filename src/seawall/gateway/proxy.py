@@ -28,13 +28,13 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.gateway.h1 import BrokenResponse
 from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body
 from seawall.gateway.replicas import Replica, blocks_for
@@ -234,7 +234,7 @@ class Proxy:
         ok = False
         try:
             opened = await open_attempt(
-                gw.session,
+                gw.pool,
                 replica,
                 ctx.req,
                 body,
@@ -416,8 +416,8 @@ class Proxy:
         resp = web.StreamResponse(
             status=200,
             headers={
-                "Content-Type": opened.resp.headers.get(
-                    "Content-Type", "text/event-stream; charset=utf-8"
+                "Content-Type": opened.conn.headers.get(
+                    "content-type", "text/event-stream; charset=utf-8"
                 ),
                 "Cache-Control": "no-cache",
                 "X-Request-Id": ctx.request_id,
@@ -445,7 +445,7 @@ class Proxy:
         gw = self.gw
         ctx.opened = opened
         await resp.prepare(request)
-        end = await self._pump(ctx, opened, resp, head=True)
+        end = await self._pump(request, ctx, opened, resp, head=True)
         while end != "done" and self._may_migrate(ctx, end):
             opened.replica.observe_outcome(False)
             nxt = await self._continue_elsewhere(ctx, opened.replica)
@@ -457,7 +457,7 @@ class Proxy:
             opened.replica.streams += 1
             ctx.stage = "streaming"
             ctx.replica = opened.replica.id
-            end = await self._pump(ctx, opened, resp, head=True)
+            end = await self._pump(request, ctx, opened, resp, head=True)
         if end == "done" and ctx.aborted:
             # Relayed as the engine sent it (finish_reason "abort", then [DONE]), but the
             # answer was cut short: a dropped stream all the same.
@@ -482,21 +482,28 @@ class Proxy:
         return resp
 
     async def _pump(
-        self, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse, head: bool
+        self,
+        request: web.Request,
+        ctx: RequestCtx,
+        opened: Opened,
+        resp: web.StreamResponse,
+        head: bool,
     ) -> str:
-        """Relay until the stream ends; return "done" or the reason it ended badly."""
-        gw = self.gw
-        replica = opened.replica
-        itl_hist = gw.metrics.itl.labels(ctx.model)
+        """Relay until the stream ends; return "done" or the reason it ended badly.
+
+        The head (the events up to the first token) is written through aiohttp, which
+        also puts the response's headers on the wire. After it, chunks go from the
+        upstream's socket callback straight to the client's transport (`_Relay.feed`);
+        this coroutine only waits for the end, a timeout, or a full client socket."""
         parse_events = ctx.strip_usage or ctx.track_text or ctx.reconcile
-        tail = b""
+        relay = _Relay(self, request, ctx, opened, parse_events)
         if head and opened.head:
             if parse_events:
                 out = self._filter(ctx, [e.raw for e in opened.head])
             else:
                 # Raw relay: the head's events, then whatever partial event followed them.
                 out = b"".join(e.raw for e in opened.head) + opened.sse.pending
-                tail = out[-_DONE_TAIL:]
+                relay.tail = out[-_DONE_TAIL:]
                 ctx.aborted = ctx.aborted or ABORT_MARK in out
             if out:
                 await resp.write(out)
@@ -504,44 +511,32 @@ class Proxy:
                 return "upstream_aborted"
             if any(e.kind is Kind.DONE for e in opened.head):
                 return "done"
-        content = opened.resp.content
-        sse = opened.sse
-        last = opened.first_token_at
-        timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, last)
+        conn = opened.conn
+        timer = relay.timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, relay.last)
+        conn.relay(relay.feed)
         try:
             while True:
-                data = await content.readany()
-                if not data:
-                    return "done" if tail.endswith(DONE_EVENT) else "upstream_closed"
-                now = clock.monotonic()
-                itl_hist.observe(now - last)
-                replica.observe_itl(now - last)
-                last = timer.last = now
-                replica.chunks_relayed += 1
-                if parse_events:
-                    out = self._filter(ctx, sse.feed(data))
-                    tail = out[-_DONE_TAIL:] if out else tail
-                    if out:
-                        await resp.write(out)
-                    if ctx.stage == "done":
-                        return "done"
-                    if ctx.stage == "aborted":
-                        return "upstream_aborted"
-                else:
-                    tail = (tail + data)[-_DONE_TAIL:]
-                    if ABORT_MARK in data:
-                        ctx.aborted = True
-                    await resp.write(data)
+                await conn.wait_relay()
+                if relay.end == "client_left":
+                    raise ConnectionResetError("client left while streaming")
+                if relay.end is not None and (conn.stopped or conn.complete):
+                    return relay.end
+                if conn.complete:
+                    return "done" if relay.tail.endswith(DONE_EVENT) else "upstream_closed"
+                if conn.paused:
+                    await resp.drain()
+                    conn.resume()
         except asyncio.CancelledError:
             kind = timer.expired()
             if kind is None:
                 raise
-            gw.metrics.timeouts.labels(kind).inc()
+            self.gw.metrics.timeouts.labels(kind).inc()
             return f"{kind}_timeout"
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        except BrokenResponse as e:
             ctx.error = str(e)
             return "upstream_reset"
         finally:
+            conn.detach()
             timer.close()
 
     def _filter(self, ctx: RequestCtx, events: list[bytes]) -> bytes:
@@ -667,6 +662,93 @@ class Proxy:
                     }
                 ).decode(),
             )
+
+
+class _Relay:
+    """One upstream's body on its way to the client, from the upstream's socket callback.
+
+    `feed` runs once per read from the replica: it records the inter-token gap (metrics,
+    the replica's ITL average, the idle timer), then writes the bytes to the client's
+    transport, framed as one HTTP chunk. Event-level work (`Proxy._filter`) happens only
+    when the request needs it; otherwise the bytes pass as the engine wrote them."""
+
+    __slots__ = (
+        "_client",
+        "_filter",
+        "_framed",
+        "_itl",
+        "_proxy",
+        "_sse",
+        "conn",
+        "ctx",
+        "end",
+        "last",
+        "replica",
+        "tail",
+        "timer",
+        "transport",
+    )
+
+    def __init__(
+        self, proxy: Proxy, request: web.Request, ctx: RequestCtx, opened: Opened, parse: bool
+    ) -> None:
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("client left while streaming")
+        self.transport = transport
+        self._client = request.protocol
+        self._framed = request.version >= HttpVersion11  # aiohttp chunks 1.1 responses
+        self._proxy = proxy
+        self._filter = parse
+        self._sse = opened.sse
+        self._itl = proxy.gw.metrics.itl.labels(ctx.model)
+        self.conn = opened.conn
+        self.ctx = ctx
+        self.replica = opened.replica
+        self.last = opened.first_token_at
+        self.tail = b""
+        self.end: str | None = None  # set when the stream's end is known from its events
+        self.timer: IdleDeadline | None = None
+
+    def feed(self, data: bytes) -> bool:
+        if self.end is not None:
+            return True
+        now = clock.monotonic()
+        gap = now - self.last
+        self._itl.observe(gap)
+        replica = self.replica
+        replica.observe_itl(gap)
+        replica.chunks_relayed += 1
+        self.last = now
+        if self.timer is not None:
+            self.timer.last = now
+        ctx = self.ctx
+        if self._filter:
+            out = self._proxy._filter(ctx, self._sse.feed(data))
+            if out:
+                self.tail = out[-_DONE_TAIL:]
+        else:
+            out = data
+            self.tail = (self.tail + data)[-_DONE_TAIL:]
+            if ABORT_MARK in data:
+                ctx.aborted = True
+        if out:
+            transport = self.transport
+            if transport.is_closing():
+                self.end = "client_left"
+                return False
+            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
+            if self._client.writing_paused:
+                self.conn.pause()
+        if self._filter:
+            if ctx.stage == "done":
+                # Keep the connection for reuse when the response's end came in this read.
+                self.end = "done"
+                return self.conn.complete
+            if ctx.stage == "aborted":
+                self.end = "upstream_aborted"
+                return False
+        return True
 
 
 def _pass_through(status: int, raw: bytes, content_type: str) -> ApiError:

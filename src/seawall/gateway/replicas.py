@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from seawall.fleet.view import FleetSnapshot, ReplicaView
+from seawall.gateway.h1 import Endpoint
 from seawall.policy.balance import pick, replica_cost
 
 # Weight of the newest sample in the gateway's moving averages: about the last 20 requests.
@@ -40,12 +41,10 @@ class Replica:
     ttft_ewma_s: float | None = None
     itl_ewma_s: float | None = None
     error_ewma: float = 0.0
-    completions_url: str = field(init=False)
-    chat_url: str = field(init=False)
+    endpoint: Endpoint = field(init=False)
 
     def __post_init__(self) -> None:
-        self.completions_url = self.url + "/v1/completions"
-        self.chat_url = self.url + "/v1/chat/completions"
+        self.endpoint = Endpoint.parse(self.url)
 
     def observe_ttft(self, seconds: float) -> None:
         prev = self.ttft_ewma_s

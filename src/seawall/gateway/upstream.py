@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import aiohttp
-
 from seawall import clock
+from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool
 from seawall.gateway.replicas import Replica
 from seawall.protocol.openai import ParsedRequest
 from seawall.protocol.sse import Event, Kind, SSEBuffer, classify
@@ -52,7 +51,7 @@ class Opened:
     """An upstream response that has produced its first token (or its whole body)."""
 
     replica: Replica
-    resp: aiohttp.ClientResponse
+    conn: H1Connection
     head: list[Event]  # streaming: events read so far, the first token last
     sse: SSEBuffer
     body: bytes | None  # non-streaming: the whole body
@@ -60,7 +59,9 @@ class Opened:
     first_token_at: float
 
     def close(self) -> None:
-        self.resp.close()
+        """Done with the upstream: its connection is reused if the response was read to
+        the end, and closed otherwise (the engine then aborts the request)."""
+        self.conn.release()
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -79,8 +80,11 @@ def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
     return headers
 
 
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
 async def open_attempt(
-    session: aiohttp.ClientSession,
+    pool: H1Pool,
     replica: Replica,
     req: ParsedRequest,
     body: bytes,
@@ -93,22 +97,23 @@ async def open_attempt(
     `timeout_s` is the time left before the first token (streaming) or the total
     deadline (non-streaming); `timeout_outcome` names which one it is.
     """
-    url = replica.chat_url if req.route == "chat" else replica.completions_url
     started = clock.monotonic()
-    resp: aiohttp.ClientResponse | None = None
+    conn: H1Connection | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await session.post(url, data=body, headers=upstream_headers(replica, request_id))
-            if resp.status != 200:
-                raise await _http_failure(resp)
+            conn = await pool.request(
+                replica.endpoint, _PATHS[req.route], upstream_headers(replica, request_id), body
+            )
+            if conn.status != 200:
+                raise await _http_failure(conn)
             if not req.stream:
-                data = await resp.read()
+                data = await conn.read_all()
                 now = clock.monotonic()
-                return Opened(replica, resp, [], SSEBuffer(), data, started, now)
+                return Opened(replica, conn, [], SSEBuffer(), data, started, now)
             sse = SSEBuffer()
             head: list[Event] = []
             while True:
-                chunk = await resp.content.readany()
+                chunk = await conn.read()
                 if not chunk:
                     raise AttemptFailed("reset", True, "upstream closed before the first token")
                 got_token = False
@@ -127,40 +132,38 @@ async def open_attempt(
                     if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
                         got_token = True
                 if got_token:
-                    return Opened(replica, resp, head, sse, None, started, clock.monotonic())
+                    return Opened(replica, conn, head, sse, None, started, clock.monotonic())
     except AttemptFailed:
-        if resp is not None:
-            resp.close()
+        if conn is not None:
+            conn.release()  # reused when the error's body was read to its end
         raise
     except TimeoutError:
-        if resp is not None:
-            resp.close()
+        if conn is not None:
+            conn.close()
         raise AttemptFailed(
             timeout_outcome, True, f"no first token within {timeout_s:.3g}s"
         ) from None
-    except aiohttp.ClientConnectorError as e:
+    except ConnectFailed as e:
         raise AttemptFailed("connect_error", True, f"cannot connect to {replica.id}: {e}") from None
-    except (aiohttp.ClientError, ConnectionError) as e:
-        if resp is not None:
-            resp.close()
+    except ConnectionError as e:
+        if conn is not None:
+            conn.close()
         raise AttemptFailed("reset", True, f"{replica.id}: {type(e).__name__}: {e}") from None
     except BaseException:
         # Cancelled (client left, hedge lost, shutdown): close the connection so the
         # engine sees the disconnect and aborts the request at once.
-        if resp is not None:
-            resp.close()
+        if conn is not None:
+            conn.close()
         raise
 
 
-async def _http_failure(resp: aiohttp.ClientResponse) -> AttemptFailed:
+async def _http_failure(conn: H1Connection) -> AttemptFailed:
     try:
-        body = await resp.content.read(_MAX_ERROR_BODY)
-    except (aiohttp.ClientError, ConnectionError):
+        body = await conn.read_all(limit=_MAX_ERROR_BODY)
+    except ConnectionError:
         body = b""
-    finally:
-        resp.close()
-    status = resp.status
-    ctype = resp.headers.get("Content-Type", "application/json")
+    status = conn.status
+    ctype = conn.headers.get("content-type", "application/json")
     message = f"upstream answered {status}"
     if status in (429, 503):
         # Engine admission: a signal to back off from this replica, not a broken one.
@@ -170,7 +173,7 @@ async def _http_failure(resp: aiohttp.ClientResponse) -> AttemptFailed:
             message,
             status=status,
             body=body,
-            retry_after_s=parse_retry_after(resp.headers.get("Retry-After")),
+            retry_after_s=parse_retry_after(conn.headers.get("retry-after")),
             content_type=ctype,
         )
     if status >= 500:
