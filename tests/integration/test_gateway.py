@@ -384,16 +384,25 @@ def test_a_short_answer_arriving_in_one_read_is_relayed_whole(artifacts: Path) -
             assert normalise(via) == direct
 
 
+@pytest.mark.slow
 def test_a_slow_client_gets_the_whole_stream_without_the_gateway_buffering_it_all(
     artifacts: Path,
 ) -> None:
     # A tiny receive window and a client that stops reading: the gateway must stop
     # reading upstream (not buffer megabytes) and resume when the client catches up.
-    sim = start_sim(artifacts, "--step-base-ms", "0", "--step-per-seq-ms", "0")
+    # The answer (about 5 MB of events) is larger than the kernel's socket buffers on
+    # loopback (up to 4 MiB), so the gateway's own flow control has to act.
+    sim = start_sim(
+        artifacts,
+        *("--step-base-ms", "0", "--step-per-seq-ms", "0"),
+        *("--max-model-len", "24000", "--kv-blocks", "1600"),
+    )
     gw = start_gateway(artifacts, [sim])
+    tokens = 20_000
     with running(gw, sim):
         body = json.dumps(
-            {**COMPLETION, "stream": True, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+            {**COMPLETION, "stream": True, "max_tokens": tokens, "ignore_eos": True}
+            | {"temperature": 0}
         ).encode()
         host, port = gw.url.removeprefix("http://").split(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -429,6 +438,6 @@ def test_a_slow_client_gets_the_whole_stream_without_the_gateway_buffering_it_al
         unary = httpx.post(
             sim.url + "/v1/completions",
             timeout=30,
-            json={**COMPLETION, "max_tokens": 3000, "ignore_eos": True, "temperature": 0},
+            json={**COMPLETION, "max_tokens": tokens, "ignore_eos": True, "temperature": 0},
         ).json()
         assert text == unary["choices"][0]["text"]
