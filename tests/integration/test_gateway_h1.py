@@ -13,10 +13,7 @@ import orjson
 import pytest
 
 from seawall.gateway.h1 import BrokenResponse, ConnectFailed, Endpoint, H1Pool
-from tests.support.fleet import (
-    MODEL,
-    start_sim,
-)
+from tests.support.fleet import MODEL, start_sim
 from tests.support.procs import Proc, free_port
 
 pytestmark = pytest.mark.integration
