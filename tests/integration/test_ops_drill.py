@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "sk-sw-admin-token-for-drill-tests-0000000000000000"
 
 
-def admin_gateway(artifacts: Path, sims: list[Proc]) -> tuple[Proc, str]:
+def admin_gateway(
+    artifacts: Path, sims: list[Proc], extra: dict[str, Any] | None = None
+) -> tuple[Proc, str]:
     port = free_port()
-    cfg = {
+    cfg: dict[str, Any] = {
         "admin": {"enabled": True, "port": port, "token_hash": hash_key(ADMIN_TOKEN)},
         # Short timeouts so a hung replica costs its streams seconds, not minutes, and the
         # drill's bounded window sees the whole story.
@@ -37,6 +40,7 @@ def admin_gateway(artifacts: Path, sims: list[Proc]) -> tuple[Proc, str]:
             "deep_probe_timeout_s": 0.5,
             "watchdog_window_s": 1.0,
         },
+        **(extra or {}),
     }
     gw = start_gateway(artifacts, sims, cfg)
     return gw, f"http://127.0.0.1:{port}"
@@ -125,6 +129,67 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
 
         again = drill(admin, "crash-mid-stream", "--target", report["target"], "--duration", "3")
         assert again.returncode == 2 and report["target"] in again.stderr  # gone: not faked
+
+
+@pytest.mark.slow
+def test_preemption_storm_drill_shows_admission_keeping_the_engines_from_preempting(
+    artifacts: Path,
+) -> None:
+    """The storm drill on one small-KV fleet, through a gateway without admission and then
+    one with it. Without, the engines preempt, the fleet reports it, and the steady load's
+    first tokens wait behind recomputation; with it, the excess waits at the gateway's door,
+    no engine preempts, and the steady load keeps its pace."""
+    small_kv = ("--kv-blocks", "160", "--max-model-len", "2048")
+    a, b = start_sim(artifacts, *small_kv, name="a"), start_sim(artifacts, *small_kv, name="b")
+    reports: dict[bool, dict[str, Any]] = {}
+    with running(a, b):
+        for admission in (False, True):
+            gw, admin = admin_gateway(artifacts, [a, b], {"admission": {"enabled": admission}})
+            with running(gw):
+                wait_until(partial(all_routable, admin), 10, interval=0.2, what="both routable")
+                out = drill(
+                    admin, "preemption-storm", "--duration", "8", "--concurrency", "2", "--json"
+                )
+                reports[admission] = report_of(out)
+                (artifacts / f"storm-admission-{admission}.json").write_text(out.stdout)
+    without, with_ = reports[False], reports[True]
+    assert sum(without["preemptions"].values()) > 0
+    assert without["detection_s"] is not None and "preempting" in without["detected_as"]
+    assert sum(with_["preemptions"].values()) == 0, with_["preemptions"]
+    assert with_["detection_s"] is None  # nothing to detect: no engine preempted
+    # The steady load behind the storm: served at least as often, first tokens sooner.
+    assert with_["during"]["ok"] >= without["during"]["ok"] > 0
+    assert with_["during"]["ttft_p99_s"] < without["during"]["ttft_p99_s"]
+    assert with_["requests_failed"] == with_["streams_dropped"] == 0
+
+
+@pytest.mark.slow
+def test_overload_drill_is_met_at_the_door_not_by_timeouts(artifacts: Path) -> None:
+    """Eight times the steady load on engines that run two sequences each: the fleet
+    reports the replicas saturated (their queues, scraped) within a second or so, and the
+    gateway holds or refuses the excess: nothing times out, nothing is cut mid-stream.
+
+    The time-to-first-token timeout is a production-like 30 s here: the burst's first
+    wave lands in the engines' queues before two scrapes have shown them growing (the
+    admission signal), and with the 2 s of the fault drills some of it would time out."""
+    a = start_sim(artifacts, "--max-num-seqs", "2", name="a")
+    b = start_sim(artifacts, "--max-num-seqs", "2", name="b")
+    timeouts = {"ttft_s": 30.0, "itl_s": 10.0, "total_s": 60.0}
+    gw, admin = admin_gateway(artifacts, [a, b], {"timeouts": timeouts})
+    with running(gw, a, b):
+        wait_until(lambda: all_routable(admin), 10, interval=0.2, what="both routable")
+        out = drill(admin, "overload", "--duration", "8", "--concurrency", "3", "--json")
+        report = report_of(out)
+        (artifacts / "overload-report.json").write_text(out.stdout)
+        assert report["detection_s"] is not None and report["detection_s"] < 3.0
+        assert "saturated" in report["detected_as"]
+        assert report["burst"]["ok"] > 0 and report["during"]["ok"] > 0
+        assert report["streams_dropped"] == 0
+        # The only refusals are admission's (429 with Retry-After); the only cuts are the
+        # load generator's own deadline at the end of the drill.
+        for error in report["errors"]:
+            assert error.startswith(("HTTP 429", "cut at the load generator")), error
+        assert sum(report["preemptions"].values()) == 0
 
 
 async def test_rolling_restart_on_an_older_gateway_says_rollouts_are_missing(
