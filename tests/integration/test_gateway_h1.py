@@ -13,6 +13,9 @@ import orjson
 import pytest
 
 from seawall.gateway.h1 import BrokenResponse, ConnectFailed, Endpoint, H1Pool
+from seawall.gateway.replicas import Replica
+from seawall.gateway.upstream import AttemptFailed, open_attempt
+from seawall.protocol.openai import parse
 from tests.support.fleet import MODEL, start_sim
 from tests.support.procs import Proc, free_port
 
@@ -167,3 +170,26 @@ def test_replica_urls_keep_their_path_prefix() -> None:
     assert Endpoint.parse("http://127.0.0.1").port == 80
     with pytest.raises(ValueError, match="http"):
         Endpoint.parse("ftp://127.0.0.1")
+
+
+async def test_a_replica_that_redirects_is_a_retryable_misconfiguration(pool: H1Pool) -> None:
+    """A replica URL that answers with a redirect (http -> https, a moved path) is not
+    followed: the attempt fails, may go to another replica, and says what to fix."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(
+            b"HTTP/1.1 307 Temporary Redirect\r\nLocation: https://engines.internal/v1/"
+            b"completions\r\nContent-Length: 0\r\n\r\n"
+        )
+        await writer.drain()
+        await reader.read()
+
+    server, ep = await _serve(handler)
+    async with server:
+        replica = Replica("r0", f"http://{ep.host_header}", MODEL, "node-0")
+        req = parse("completions", body(stream=True))
+        with pytest.raises(AttemptFailed) as failed:
+            await open_attempt(pool, replica, req, req.body_bytes(), "req-1", 5.0, "ttft_timeout")
+        assert failed.value.outcome == "redirect" and failed.value.retryable
+        assert "https://engines.internal/v1/completions" in failed.value.message

@@ -106,7 +106,7 @@ class Metrics:
         self.upstream_attempts = Counter(
             UPSTREAM_ATTEMPTS[: -len("_total")],
             "Upstream attempts by replica and outcome (ok, connect_error, reset, http_5xx, "
-            "http_429, ttft_timeout, cancelled, hedge_lost).",
+            "http_429, redirect, ttft_timeout, cancelled, hedge_lost).",
             ["replica", "outcome"],
             registry=r,
         )

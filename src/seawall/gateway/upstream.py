@@ -180,6 +180,15 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
         return AttemptFailed(
             "http_5xx", True, message, status=status, body=body, content_type=ctype
         )
+    if 300 <= status < 400:
+        # Not followed: a replica URL that redirects is misconfigured (http -> https, a
+        # moved path), and re-sending a prompt to wherever it points is not ours to do.
+        where = conn.headers.get("location", "(no Location)")
+        return AttemptFailed(
+            "redirect",
+            True,
+            f"{message}, redirecting to {where}: set the replica's URL to that address",
+        )
     return AttemptFailed("http_4xx", False, message, status=status, body=body, content_type=ctype)
 
 
