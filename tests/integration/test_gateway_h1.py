@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import orjson
 import pytest
 
-from seawall.gateway.h1 import BrokenResponse, ConnectFailed, Endpoint, H1Pool
+from seawall.gateway.h1 import IDLE_TTL_S, BrokenResponse, ConnectFailed, Endpoint, H1Pool
 from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, open_attempt
 from seawall.protocol.openai import parse
@@ -73,6 +73,31 @@ async def test_a_stream_cut_short_closes_its_connection(sim: Proc, pool: H1Pool)
     assert again is not conn and not again.reused
     assert orjson.loads(await again.read_all())["choices"]
     again.release()
+
+
+async def test_an_idle_connection_is_not_reused_past_its_time_to_live(sim: Proc) -> None:
+    """Engines close idle keep-alive connections (uvicorn after 5 s); the pool drops its
+    own first, so a request does not go out on a connection about to be closed."""
+    now = [1000.0]
+    pool = H1Pool(now=lambda: now[0])
+    ep = Endpoint.parse(sim.url)
+    try:
+        first = await pool.request(ep, "/v1/completions", HEADERS, body())
+        await first.read_all()
+        first.release()
+        now[0] += IDLE_TTL_S - 0.1
+        second = await pool.request(ep, "/v1/completions", HEADERS, body())
+        assert second is first  # still fresh enough
+        await second.read_all()
+        second.release()
+        now[0] += IDLE_TTL_S + 0.1
+        third = await pool.request(ep, "/v1/completions", HEADERS, body())
+        assert third is not first and not third.reused
+        assert orjson.loads(await third.read_all())["choices"]
+        third.release()
+        assert first.transport is None or first.transport.is_closing()
+    finally:
+        pool.close()
 
 
 async def test_upstream_errors_arrive_whole_with_their_headers(sim: Proc, pool: H1Pool) -> None:

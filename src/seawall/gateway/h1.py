@@ -280,9 +280,12 @@ class H1Connection(asyncio.Protocol):
 class H1Pool:
     """Keep-alive connections to the replicas, by address."""
 
-    def __init__(self, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, connect_timeout_s: float = 5.0, now: Callable[[], float] = clock.monotonic
+    ) -> None:
         self._idle: dict[Endpoint, list[H1Connection]] = {}
         self._connect_timeout_s = connect_timeout_s
+        self._now = now  # for the idle TTL; tests pass their own time
         self._tls: ssl.SSLContext | None = None
 
     async def request(
@@ -330,7 +333,7 @@ class H1Pool:
 
     def _take(self, endpoint: Endpoint) -> H1Connection | None:
         idle = self._idle.get(endpoint)
-        now = clock.monotonic()
+        now = self._now()
         while idle:
             conn = idle.pop()
             if conn.transport is None or conn.transport.is_closing():
@@ -347,7 +350,7 @@ class H1Pool:
         if len(idle) >= MAX_IDLE_PER_ENDPOINT:
             conn.close()
             return
-        conn.idle_since = clock.monotonic()
+        conn.idle_since = self._now()
         idle.append(conn)
 
     def forget(self, conn: H1Connection) -> None:
