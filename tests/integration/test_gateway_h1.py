@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -16,7 +18,15 @@ from seawall.gateway.h1 import IDLE_TTL_S, BrokenResponse, ConnectFailed, Endpoi
 from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, open_attempt
 from seawall.protocol.openai import parse
-from tests.support.fleet import MODEL, start_sim
+from tests.support.fleet import (
+    MODEL,
+    metric_sum,
+    running,
+    scrape,
+    start_gateway,
+    start_sim,
+    wait_until,
+)
 from tests.support.procs import Proc, free_port
 
 pytestmark = pytest.mark.integration
@@ -218,3 +228,31 @@ async def test_a_replica_that_redirects_is_a_retryable_misconfiguration(pool: H1
             await open_attempt(pool, replica, req, req.body_bytes(), "req-1", 5.0, "ttft_timeout")
         assert failed.value.outcome == "redirect" and failed.value.retryable
         assert "https://engines.internal/v1/completions" in failed.value.message
+
+
+def test_the_gateway_keeps_upstream_connections_and_closes_cut_ones(artifacts: Path) -> None:
+    """Through a running gateway: answers read to the end leave their connection to the
+    replica for the next request (one connection for a run of sequential requests); a
+    stream whose client leaves closes its connection (so the engine aborts), and the
+    next request opens a fresh one."""
+    sim = start_sim(artifacts)
+    gw = start_gateway(artifacts, [sim])
+
+    def opened() -> float:
+        return metric_sum(scrape(gw.url), "seawall_upstream_connections_opened_total")
+
+    with running(gw, sim), httpx.Client(timeout=30) as client:
+        url = gw.url + "/v1/completions"
+        for i in range(20):
+            r = client.post(url, json=orjson.loads(body(stream=i % 2 == 0)))
+            assert r.status_code == 200
+        assert opened() == 1
+        with client.stream("POST", url, json=orjson.loads(body(stream=True, max_tokens=2000))) as r:
+            assert b"data: " in next(r.iter_raw())  # then leave mid-stream
+        wait_until(
+            lambda: metric_sum(scrape(sim.url), "vllm:num_requests_running") == 0,
+            timeout=10,
+            what="the engine to abort the abandoned stream",
+        )
+        assert client.post(url, json=orjson.loads(body())).status_code == 200
+        assert opened() == 2

@@ -28,7 +28,7 @@ from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.admin import Admin
 from seawall.gateway.engine_args import warn_if_context_too_small
-from seawall.gateway.h1 import H1Pool
+from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.gateway.metrics import Metrics
 from seawall.gateway.proxy import Proxy, RequestCtx
 from seawall.gateway.replicas import Replica, ReplicaSet
@@ -99,7 +99,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         # The request path's upstream connections (hand-written, see h1.py); the session
         # above serves the gateway's other calls to replicas.
-        self.pool = H1Pool()
+        self.pool = H1Pool(on_connect=self._upstream_connected)
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
@@ -134,6 +134,11 @@ class Gateway:
             metrics=self.metrics,
             signals=ReplicaSetSignals(self.replicas),
         )
+
+    def _upstream_connected(self, endpoint: Endpoint) -> None:
+        replica = next((r for r in self.replicas.all() if r.endpoint == endpoint), None)
+        label = replica.id if replica is not None else endpoint.host_header
+        self.metrics.upstream_connections.labels(label).inc()
 
     def add_replica(
         self,

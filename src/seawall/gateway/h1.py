@@ -281,11 +281,15 @@ class H1Pool:
     """Keep-alive connections to the replicas, by address."""
 
     def __init__(
-        self, connect_timeout_s: float = 5.0, now: Callable[[], float] = clock.monotonic
+        self,
+        connect_timeout_s: float = 5.0,
+        now: Callable[[], float] = clock.monotonic,
+        on_connect: Callable[[Endpoint], None] | None = None,
     ) -> None:
         self._idle: dict[Endpoint, list[H1Connection]] = {}
         self._connect_timeout_s = connect_timeout_s
         self._now = now  # for the idle TTL; tests pass their own time
+        self._on_connect = on_connect  # each new connection (metrics)
         self._tls: ssl.SSLContext | None = None
 
     async def request(
@@ -329,6 +333,8 @@ class H1Pool:
                 )
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"{endpoint.host_header}: {e or type(e).__name__}") from None
+        if self._on_connect is not None:
+            self._on_connect(endpoint)
         return conn
 
     def _take(self, endpoint: Endpoint) -> H1Connection | None:

@@ -36,6 +36,7 @@ ITL = "seawall_itl_seconds"
 E2E = "seawall_e2e_seconds"
 INFLIGHT = "seawall_inflight_requests"
 UPSTREAM_ATTEMPTS = "seawall_upstream_attempts_total"
+UPSTREAM_CONNECTIONS = "seawall_upstream_connections_opened_total"
 RETRIES = "seawall_retries_total"
 RETRY_BUDGET = "seawall_retry_budget_tokens"
 RETRY_BUDGET_EXHAUSTED = "seawall_retry_budget_exhausted_total"
@@ -100,6 +101,14 @@ class Metrics:
         self.inflight = Gauge(
             INFLIGHT,
             "Requests in flight from the gateway to each replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.upstream_connections = Counter(
+            UPSTREAM_CONNECTIONS[: -len("_total")],
+            "Connections opened to each replica by the request path. Streams read to the end "
+            "leave theirs for the next request; one cut short (client left, timeout, a lost "
+            "hedge) closes it, so the engine aborts the request.",
             ["replica"],
             registry=r,
         )
