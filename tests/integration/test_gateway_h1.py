@@ -27,7 +27,7 @@ from tests.support.fleet import (
     start_sim,
     wait_until,
 )
-from tests.support.procs import Proc, free_port
+from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -203,6 +203,8 @@ def test_replica_urls_keep_their_path_prefix() -> None:
     assert (ep.host, ep.port, ep.tls, ep.prefix) == ("engines.example", 8443, True, "/team-a")
     assert ep.host_header == "engines.example:8443"
     assert Endpoint.parse("http://127.0.0.1").port == 80
+    v6 = Endpoint.parse("http://[::1]:8000")
+    assert (v6.host, v6.port, v6.host_header) == ("::1", 8000, "[::1]:8000")
     with pytest.raises(ValueError, match="http"):
         Endpoint.parse("ftp://127.0.0.1")
 
@@ -256,3 +258,16 @@ def test_the_gateway_keeps_upstream_connections_and_closes_cut_ones(artifacts: P
         )
         assert client.post(url, json=orjson.loads(body())).status_code == 200
         assert opened() == 2
+
+
+async def test_a_replica_on_an_ipv6_address(artifacts: Path, pool: H1Pool) -> None:
+    port = free_port()
+    argv = seawall_argv("sim", "--host", "::1", "--port", str(port), "--model", MODEL)
+    sim = spawn(argv, artifacts / "sim-v6.log", port=port)
+    with running(sim):
+        url = f"http://[::1]:{port}"
+        await asyncio.to_thread(wait_http, f"{url}/health", 20, sim)
+        conn = await pool.request(Endpoint.parse(url), "/v1/completions", HEADERS, body())
+        assert conn.status == 200
+        assert orjson.loads(await conn.read_all())["choices"][0]["text"]
+        conn.release()

@@ -59,7 +59,8 @@ class Endpoint:
         if u.scheme not in ("http", "https") or not u.host:
             raise ValueError(f"replica URL must be http:// or https:// with a host: {url!r}")
         port = u.port or (443 if u.scheme == "https" else 80)
-        host_header = u.host if u.is_default_port() else f"{u.host}:{port}"
+        # The Host header: the default port omitted, an IPv6 address in brackets.
+        host_header = u.host_port_subcomponent or u.host
         return cls(u.host, port, u.scheme == "https", u.path.rstrip("/"), host_header)
 
 
