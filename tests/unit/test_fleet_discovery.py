@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from aiohttp import web
+
 from seawall.fleet.config import DiscoveryConfig
 from seawall.fleet.discovery import DnsDiscovery, Endpoint, build_discovery, watch
 
@@ -43,3 +45,77 @@ def test_config_dns_mode_resolves_the_headless_service_name() -> None:
     found = build_discovery(DiscoveryConfig(service="vllm", namespace="serving", port=8001))
     assert isinstance(found, DnsDiscovery)
     assert (found.name, found.port) == ("vllm.serving.svc", 8001)
+
+
+async def test_endpointslices_give_ready_pods_with_their_nodes() -> None:
+    """A real kubernetes_asyncio client against a loopback server playing the API server
+    (no real one can run here), answering with EndpointSlices as discovery.k8s.io/v1
+    documents them: ready endpoints are replicas, named by pod and placed on their node;
+    not-ready and terminating ones are not; `ready` unset means ready."""
+    from kubernetes_asyncio import client
+
+    from seawall.fleet.discovery import EndpointSliceDiscovery
+
+    def endpoint(ip: str, pod: str, node: str, **conditions: bool) -> dict[str, object]:
+        return {
+            "addresses": [ip],
+            "conditions": conditions,
+            "nodeName": node,
+            "targetRef": {"kind": "Pod", "name": pod, "namespace": "serving"},
+        }
+
+    slices = {
+        "kind": "EndpointSliceList",
+        "apiVersion": "discovery.k8s.io/v1",
+        "metadata": {"resourceVersion": "7"},
+        "items": [
+            {
+                "metadata": {"name": f"vllm-{i}", "namespace": "serving"},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+                "endpoints": eps,
+            }
+            for i, eps in enumerate(
+                [
+                    [
+                        endpoint("10.0.0.7", "vllm-0", "gpu-1", ready=True, serving=True),
+                        endpoint("10.0.0.8", "vllm-1", "gpu-2", ready=False, serving=False),
+                    ],
+                    [
+                        endpoint("10.0.1.9", "vllm-2", "gpu-2"),  # conditions unset: ready
+                        endpoint("10.0.1.3", "vllm-3", "gpu-3", ready=False, terminating=True),
+                    ],
+                ]
+            )
+        ],
+    }
+    asked: list[tuple[str, dict[str, str]]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        asked.append((request.path, dict(request.query)))
+        return web.json_response(slices)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    api = client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
+    try:
+        found = await EndpointSliceDiscovery(api, "vllm", "serving", 8000).resolve()
+    finally:
+        await api.close()
+        await runner.cleanup()
+    assert asked == [
+        (
+            "/apis/discovery.k8s.io/v1/namespaces/serving/endpointslices",
+            {"labelSelector": "kubernetes.io/service-name=vllm"},
+        )
+    ]
+    assert found == {
+        Endpoint("10.0.0.7", 8000, "gpu-1", "vllm-0", "serving"),
+        Endpoint("10.0.1.9", 8000, "gpu-2", "vllm-2", "serving"),
+    }
+    assert {e.replica_id for e in found} == {"vllm-0", "vllm-2"}
