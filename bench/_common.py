@@ -172,6 +172,21 @@ def cpu_seconds(pid: int, tree: bool = True) -> float:
     return total / CLK_TCK
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The peak resident memory (VmHWM) of `pid` and its live descendants, summed, in MiB:
+    an upper bound on the tree's peak when its processes peak at different moments."""
+    total_kib = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total_kib += int(line.split()[1])
+    return total_kib / 1024.0
+
+
 def machine_context() -> str:
     load1, load5, load15 = os.getloadavg()
     cores = os.cpu_count()

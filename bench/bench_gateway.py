@@ -54,6 +54,7 @@ from _common import (
     cpu_seconds,
     free_port,
     machine_context,
+    peak_rss_mib,
     percentile,
     print_table,
     run_driver,
@@ -243,6 +244,7 @@ class Row:
     proxy_cpu_s: float = math.nan
     sim_cpu_s: float = math.nan
     client_cpu_s: float = math.nan
+    proxy_rss_mib: float = math.nan  # the proxy's peak RSS so far (VmHWM, process tree)
     machine_busy: float = math.nan
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -283,6 +285,7 @@ def measure(
     busy1 = _cpu_busy()
     row = Row(system.name, conc)
     row.proxy_cpu_s = cpu_seconds(pid) - proxy0 if pid else math.nan
+    row.proxy_rss_mib = peak_rss_mib(pid) if pid else math.nan
     row.sim_cpu_s = sum(cpu_seconds(s.pid) for s in sims) - sims0
     row.client_cpu_s = _children_cpu() - client0
     row.machine_busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
@@ -332,6 +335,7 @@ def pool(runs: list[Row]) -> list[Row]:
         p.tokens += r.tokens
         for name in ("proxy_cpu_s", "sim_cpu_s", "client_cpu_s"):
             setattr(p, name, (0.0 if first else getattr(p, name)) + getattr(r, name))
+        p.proxy_rss_mib = r.proxy_rss_mib if first else max(p.proxy_rss_mib, r.proxy_rss_mib)
         busy = 0.0 if first else p.machine_busy * p.elapsed_s
         p.elapsed_s = (0.0 if first else p.elapsed_s) + r.elapsed_s
         p.machine_busy = (busy + r.machine_busy * r.elapsed_s) / p.elapsed_s
@@ -425,6 +429,7 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
                 r.proxy_cpu_s,
                 r.sim_cpu_s,
                 r.client_cpu_s,
+                r.proxy_rss_mib,
                 100.0 * r.machine_busy,
             ]
         )
@@ -433,7 +438,7 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         [
             "system", "conc", "ok", "failed", "TTFT p50 ms", "TTFT p99 ms", "added p50 ms",
             "added p99 ms", "tokens/s", "proxy CPU-s/1k req", "proxy CPU-s", "sim CPU-s",
-            "client CPU-s", "machine busy %",
+            "client CPU-s", "proxy peak RSS MiB", "machine busy %",
         ],
         table,
     )  # fmt: skip
