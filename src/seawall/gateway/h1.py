@@ -72,6 +72,8 @@ class H1Connection(asyncio.Protocol):
         self._pool = pool
         self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
+        # One parser for the connection's life: llhttp takes responses one after another,
+        # and a connection is reused only after its response ended.
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._parts: list[bytes] = []  # body parsed from the current read
@@ -98,7 +100,6 @@ class H1Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self._reset()
-        self._parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
 
     async def wait_head(self) -> None:

@@ -496,14 +496,14 @@ class Proxy:
         upstream's socket callback straight to the client's transport (`_Relay.feed`);
         this coroutine only waits for the end, a timeout, or a full client socket."""
         parse_events = ctx.strip_usage or ctx.track_text or ctx.reconcile
-        relay = _Relay(self, request, ctx, opened, parse_events)
+        tail = b""
         if head and opened.head:
             if parse_events:
                 out = self._filter(ctx, [e.raw for e in opened.head])
             else:
                 # Raw relay: the head's events, then whatever partial event followed them.
                 out = b"".join(e.raw for e in opened.head) + opened.sse.pending
-                relay.tail = out[-_DONE_TAIL:]
+                tail = out[-_DONE_TAIL:]
                 ctx.aborted = ctx.aborted or ABORT_MARK in out
             if out:
                 await resp.write(out)
@@ -512,7 +512,8 @@ class Proxy:
             if any(e.kind is Kind.DONE for e in opened.head):
                 return "done"
         conn = opened.conn
-        timer = relay.timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, relay.last)
+        timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, opened.first_token_at)
+        relay = _Relay(self, request, ctx, opened, parse_events, timer, tail)
         conn.relay(relay.feed)
         try:
             while True:
@@ -682,7 +683,6 @@ class _Relay:
         "conn",
         "ctx",
         "end",
-        "last",
         "replica",
         "tail",
         "timer",
@@ -690,7 +690,14 @@ class _Relay:
     )
 
     def __init__(
-        self, proxy: Proxy, request: web.Request, ctx: RequestCtx, opened: Opened, parse: bool
+        self,
+        proxy: Proxy,
+        request: web.Request,
+        ctx: RequestCtx,
+        opened: Opened,
+        parse: bool,
+        timer: IdleDeadline,
+        tail: bytes,
     ) -> None:
         transport = request.transport
         if transport is None:
@@ -705,23 +712,21 @@ class _Relay:
         self.conn = opened.conn
         self.ctx = ctx
         self.replica = opened.replica
-        self.last = opened.first_token_at
-        self.tail = b""
+        self.timer = timer  # its `last` is when the latest chunk arrived
+        self.tail = tail  # the stream's last bytes: does it end with [DONE]?
         self.end: str | None = None  # set when the stream's end is known from its events
-        self.timer: IdleDeadline | None = None
 
     def feed(self, data: bytes) -> bool:
         if self.end is not None:
             return True
         now = clock.monotonic()
-        gap = now - self.last
+        timer = self.timer
+        gap = now - timer.last
+        timer.last = now
         self._itl.observe(gap)
         replica = self.replica
         replica.observe_itl(gap)
         replica.chunks_relayed += 1
-        self.last = now
-        if self.timer is not None:
-            self.timer.last = now
         ctx = self.ctx
         if self._filter:
             out = self._proxy._filter(ctx, self._sse.feed(data))
