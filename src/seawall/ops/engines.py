@@ -5,14 +5,16 @@ and every engine metric rename or removal we know of. `--engine` swaps one table
 another; the drift check explains a missing name with the rename table.
 
 Must not: do I/O, or name a gateway metric (those live in `seawall.gateway.metrics`).
-The fleet monitor's own per-engine names live in `seawall.fleet.adapters`; a unit test
-checks that both tables agree where they name the same signal.
+The load signals (running, waiting, KV usage, preemptions) are taken from the fleet
+monitor's adapters (`seawall.fleet.adapters`), so both read the same series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from seawall.fleet.adapters import ADAPTERS, EngineKind
 
 ENGINES = ("vllm", "sglang", "tgi", "llamacpp")
 
@@ -35,44 +37,44 @@ class EngineNames:
     ttft_seconds: str | None = None  # histogram family: engine-side time to first token
 
 
+def _names(
+    kind: EngineKind, progress_total: str, ttft_seconds: str | None = None, **dropped: None
+) -> EngineNames:
+    """One engine's row: its load signals exactly as the fleet adapter reads them (one
+    table, so the alerts and the load view cannot read different series), then the
+    progress counter and TTFT histogram only the rules need. `dropped` names a signal the
+    adapter still reads where present but the rules must not rely on."""
+    a = ADAPTERS[kind]
+    signals: dict[str, str | None] = {
+        "running": a.running,
+        "waiting": a.waiting,
+        "kv_usage": a.kv_usage,
+        "preemptions_total": a.preemptions_total,
+    }
+    signals.update(dropped)
+    return EngineNames(
+        engine=kind.value, progress_total=progress_total, ttft_seconds=ttft_seconds, **signals
+    )
+
+
 # Names per docs/engines-reference.md: §1.2 (vLLM 0.33), §4 (the others).
 ENGINE_NAMES: Mapping[str, EngineNames] = {
-    "vllm": EngineNames(
-        engine="vllm",
-        running="vllm:num_requests_running",
-        waiting="vllm:num_requests_waiting",
-        kv_usage="vllm:kv_cache_usage_perc",
-        preemptions_total="vllm:num_preemptions_total",
+    "vllm": _names(
+        EngineKind.VLLM,
         progress_total="vllm:generation_tokens_total",
         ttft_seconds="vllm:time_to_first_token_seconds",
     ),
-    "sglang": EngineNames(
-        engine="sglang",
-        running="sglang:num_running_reqs",
-        waiting="sglang:num_queue_reqs",
-        kv_usage="sglang:token_usage",
-        # Retraction is SGLang's preemption.
-        preemptions_total="sglang:num_retracted_requests_total",
+    "sglang": _names(
+        EngineKind.SGLANG,
         progress_total="sglang:generation_tokens_total",
         ttft_seconds="sglang:time_to_first_token_seconds",
     ),
-    "tgi": EngineNames(
-        engine="tgi",
-        running="tgi_batch_current_size",
-        waiting="tgi_queue_size",
-        kv_usage=None,
-        preemptions_total=None,
-        # TGI's token counts are histograms observed at request end; the batch counter
-        # moves on every forward pass.
-        progress_total="tgi_batch_inference_count",
-    ),
-    "llamacpp": EngineNames(
-        engine="llamacpp",
-        running="llamacpp:requests_processing",
-        waiting="llamacpp:requests_deferred",
-        kv_usage=None,  # `llamacpp:kv_cache_usage_ratio` was dropped (see REMOVED)
-        preemptions_total=None,
-        progress_total="llamacpp:n_decode_total",
+    # TGI's token counts are histograms observed at request end; the batch counter moves
+    # on every forward pass.
+    "tgi": _names(EngineKind.TGI, progress_total="tgi_batch_inference_count"),
+    # `llamacpp:kv_cache_usage_ratio` was dropped from current builds (see REMOVED).
+    "llamacpp": _names(
+        EngineKind.LLAMACPP, progress_total="llamacpp:n_decode_total", kv_usage=None
     ),
 }
 
