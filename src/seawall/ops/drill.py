@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from seawall import clock
 from seawall.gateway.metrics import REQUESTS, SHED, UPSTREAM_ATTEMPTS
-from seawall.loadgen import RequestResult, percentile, run_load
+from seawall.loadgen import RequestResult, run_load, summarise
 
 Scenario = Literal["crash-mid-stream", "hang", "preemption-storm", "overload", "rolling-restart"]
 SCENARIOS: tuple[Scenario, ...] = (
@@ -140,17 +140,9 @@ class Sample:
 
 
 def phase_figures(results: list[RequestResult]) -> PhaseFigures:
-    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
-    count = {o: sum(1 for r in results if r.outcome == o) for o in ("ok", "failed", "dropped")}
-    return PhaseFigures(
-        requests=len(results),
-        ok=count["ok"],
-        failed=count["failed"],
-        dropped=count["dropped"],
-        cut=sum(1 for r in results if r.outcome == "cut"),
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
-    )
+    """The load generator's own summary, cut to what a phase reports."""
+    r = summarise(results, duration_s=0.0)
+    return PhaseFigures(r.requests, r.ok, r.failed, r.dropped, r.cut, r.ttft_p50_s, r.ttft_p99_s)
 
 
 def metric_totals(text: str) -> dict[str, float]:
