@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -12,14 +11,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from seawall.admin_args import add_admin_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin", required=True, metavar="URL", help="the gateway's admin URL")
-    p.add_argument(
-        "--admin-token",
-        default=os.environ.get("SEAWALL_ADMIN_TOKEN"),
-        help="admin bearer token (default: $SEAWALL_ADMIN_TOKEN)",
-    )
+    add_admin_arguments(p)
     p.add_argument("--max-surge", type=int, default=1, help="new replicas started at once")
     p.add_argument("--warmup-requests", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S")

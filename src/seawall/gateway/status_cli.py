@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -13,14 +12,11 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from seawall.admin_args import add_admin_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin", required=True, metavar="URL", help="the gateway's admin URL")
-    p.add_argument(
-        "--admin-token",
-        default=os.environ.get("SEAWALL_ADMIN_TOKEN"),
-        help="admin bearer token (default: $SEAWALL_ADMIN_TOKEN)",
-    )
+    add_admin_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw state as JSON")
 
 

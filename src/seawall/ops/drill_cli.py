@@ -18,6 +18,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from seawall.admin_args import add_admin_arguments
 from seawall.ops.drill import (
     EXIT_OK,
     SCENARIOS,
@@ -31,12 +32,7 @@ from seawall.ops.drill import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", choices=SCENARIOS, help="what to break")
-    p.add_argument("--admin", required=True, metavar="URL", help="the gateway's admin URL")
-    p.add_argument(
-        "--admin-token",
-        default=os.environ.get("SEAWALL_ADMIN_TOKEN"),
-        help="admin bearer token (default: $SEAWALL_ADMIN_TOKEN)",
-    )
+    add_admin_arguments(p)
     p.add_argument(
         "--api-key",
         default=os.environ.get("SEAWALL_API_KEY"),

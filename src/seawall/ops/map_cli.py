@@ -8,24 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
+from seawall.admin_args import add_admin_arguments
 from seawall.ops.domains import DOMAINS, live_states
 
 FETCH_TIMEOUT_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--admin", metavar="URL", help="a running gateway's admin API")
-    parser.add_argument(
-        "--admin-token",
-        default=os.environ.get("SEAWALL_ADMIN_TOKEN"),
-        help="bearer token for the admin API (default: $SEAWALL_ADMIN_TOKEN)",
-    )
+    add_admin_arguments(parser, required=False)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
