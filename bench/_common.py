@@ -40,6 +40,19 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ----------------------------------------------------------------------------- processes
 
 
+def seawall_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `seawall` child: this checkout's code, unbuffered logs."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def sim_argv(port: int | str, model: str, *extra: str) -> list[str]:
+    """`seawall sim` on 127.0.0.1:`port` serving `model` (a "{port}" template is kept)."""
+    return [
+        sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, *extra,
+    ]  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -88,7 +88,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -105,6 +104,8 @@ from _common import (
     machine_context,
     percentile,
     print_table,
+    seawall_env,
+    sim_argv,
     wait_http,
 )
 
@@ -113,10 +114,6 @@ LOGS = REPO / "bench" / "results" / "admission-logs"
 GOAL_PREEMPT_RATIO = 0.05
 GOAL_TOKENS_RATIO = 0.90
 GOAL_SHED_P99_S = 0.005
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src")}
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -177,13 +174,14 @@ def start_sims(args: argparse.Namespace) -> list[Proc]:
     sims = []
     for i in range(args.replicas):
         port = free_port()
-        argv = [
-            sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", str(port),
-            "--model", MODEL, "--seed", str(i),
+        argv = sim_argv(
+            port, MODEL, "--seed", str(i),
             "--kv-blocks", str(args.kv_blocks), "--block-size", str(args.block_size),
             "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16),
-        ]  # fmt: skip
-        sims.append(Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=_env(), cwd=REPO, port=port))
+        )  # fmt: skip
+        sims.append(
+            Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=seawall_env(), cwd=REPO, port=port)
+        )
     for p in sims:
         wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
     return sims
@@ -206,7 +204,7 @@ def start_gateway(name: str, config: dict[str, Any], sims: list[str]) -> tuple[P
     path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
     argv = [sys.executable, "-m", "seawall", "serve", "--config", str(path)]
     argv += ["--no-access-log", "--log-level", "WARNING"]
-    proc = Proc(name, argv, LOGS / f"{name}.log", env=_env(), cwd=REPO)
+    proc = Proc(name, argv, LOGS / f"{name}.log", env=seawall_env(), cwd=REPO)
     url = f"http://127.0.0.1:{config['listen']['port']}"
     wait_http(url + "/readyz", 60, proc)
     return proc, url

@@ -66,7 +66,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, Proc, free_port, machine_context, print_table, wait_http
+from _common import (
+    REPO,
+    Proc,
+    free_port,
+    machine_context,
+    print_table,
+    seawall_env,
+    sim_argv,
+    wait_http,
+)
 
 sys.path.insert(0, str(REPO / "src"))
 
@@ -177,12 +186,9 @@ class Fleet:
             old.stop()
         self.starts += 1
         port = self.sim_ports[i]
-        argv = [
-            sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", str(port),
-            "--model", MODEL, "--seed", str(i), "--enable-faults",
-        ]  # fmt: skip
+        argv = sim_argv(port, MODEL, "--seed", str(i), "--enable-faults")
         log = LOGS / f"sim-r{i}-{self.starts}.log"
-        self.sims[i] = Proc(f"r{i}", argv, log, env=_env(), cwd=REPO, port=port)
+        self.sims[i] = Proc(f"r{i}", argv, log, env=seawall_env(), cwd=REPO, port=port)
 
     def config(self) -> dict[str, Any]:
         dcgm = {f"node-{i}": f"{self.sim_url(i)}/dcgm/metrics" for i in range(REPLICAS)}
@@ -220,7 +226,7 @@ class Fleet:
         argv = [sys.executable, "-m", "seawall", "serve", "--config", str(path)]
         argv += ["--no-access-log", "--log-level", "INFO"]
         log = LOGS / f"gateway-{self.gateways}.log"
-        self.gateway = Proc("gateway", argv, log, env=_env(), cwd=REPO)
+        self.gateway = Proc("gateway", argv, log, env=seawall_env(), cwd=REPO)
         wait_http(f"{self.api}/readyz", 60, self.gateway)
         _wait(self.all_ready, RECOVER_TIMEOUT_S, "every replica ready and routable")
 
@@ -285,12 +291,6 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
                 return
         time.sleep(0.1)
     raise TimeoutError(f"not {what} after {timeout:g} s")
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
 
 
 # ----------------------------------------------------------------------------- one run

@@ -58,6 +58,8 @@ from _common import (
     percentile,
     print_table,
     run_driver,
+    seawall_env,
+    sim_argv,
     wait_http,
 )
 
@@ -143,26 +145,19 @@ def start_sims(args: argparse.Namespace) -> list[Proc]:
     sims = []
     for i in range(args.replicas):
         port = free_port()
-        argv = [
-            sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", str(port),
-            "--model", MODEL, "--seed", str(i),
+        argv = sim_argv(
+            port, MODEL, "--seed", str(i),
             "--step-base-ms", str(args.step_base_ms),
             "--step-per-seq-ms", str(args.step_per_seq_ms),
             "--step-per-prefill-token-ms", str(args.step_per_prefill_token_ms),
             "--max-num-seqs", str(max(256, max(args.concurrency))),
             "--kv-blocks", "65536",
-        ]  # fmt: skip
-        p = Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=_env(), cwd=REPO, port=port)
+        )  # fmt: skip
+        p = Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=seawall_env(), cwd=REPO, port=port)
         sims.append(p)
     for p in sims:
         wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
     return sims
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    env.update(extra or {})
-    return env
 
 
 def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> System:
@@ -185,7 +180,7 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
             notes += f", --config {config}"
         for u in upstreams:
             argv += ["--replica", u]
-        proc = Proc(name, argv, log, env=_env(), cwd=REPO)
+        proc = Proc(name, argv, log, env=seawall_env(), cwd=REPO)
         wait_http(url + "/readyz", 60, proc)
         return System(name, url, proc, notes)
     if name == "vllm-router":
@@ -193,7 +188,7 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
         argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--worker-urls", *upstreams, "--policy", args.router_policy]
         argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
-        proc = Proc(name, argv, log, env=_env({"RUST_LOG": "warn"}), cwd=PEERS)
+        proc = Proc(name, argv, log, env=seawall_env({"RUST_LOG": "warn"}), cwd=PEERS)
         wait_http(url + "/health", 120, proc)
         version = peer_version("vllm-router", "vllm_router")
         return System(name, url, proc, f"{version}, policy {args.router_policy}, log level warning")
@@ -211,7 +206,7 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
         cfg.write_text(LITELLM_CONFIG.format(deployments=deployments))
         argv = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--num_workers", "1"]
-        env = {k: v for k, v in _env(LITELLM_ENV).items() if k != "DATABASE_URL"}
+        env = {k: v for k, v in seawall_env(LITELLM_ENV).items() if k != "DATABASE_URL"}
         env.pop("PYTHONPATH", None)
         proc = Proc(name, argv, log, env=env, cwd=PEERS)
         wait_http(url + "/health/liveliness", 180, proc)

@@ -73,6 +73,7 @@ from _common import (
     machine_context,
     percentile,
     print_table,
+    sim_argv,
     wait_http,
 )
 from seawall.auth import hash_key
@@ -114,10 +115,7 @@ def _wait(cond: Any, timeout: float, what: str, every: float = 0.05) -> None:
 
 
 def sim_command(step_ms: float) -> list[str]:
-    return [
-        sys.executable, "-m", "seawall", "sim", "--host", "127.0.0.1", "--port", "{port}",
-        "--model", "{model}", "--enable-faults", "--step-base-ms", f"{step_ms:g}",
-    ]  # fmt: skip
+    return sim_argv("{port}", "{model}", "--enable-faults", "--step-base-ms", f"{step_ms:g}")
 
 
 class Fleet:
