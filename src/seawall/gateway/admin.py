@@ -109,6 +109,8 @@ class Admin:
                 item["reserved_kv_blocks"] = r.reserved_blocks
                 item["saturated"] = reason is not None
                 item["saturation_reason"] = reason
+                control = getattr(gw.guard, "control", None)  # adaptive admission, if on
+                item["admission"] = control.describe(r.id, now) if control is not None else None
             item["cordoned"] = any(
                 n["cordoned"] for n in described["nodes"] if n["node"] == item["node"]
             )
@@ -126,6 +128,8 @@ class Admin:
                     "tenants": len(guard.tenants),
                     "open": guard.keys is None,
                     "admission": guard.admission.enabled,
+                    "admission_mode": guard.admission.mode if guard.admission.enabled else None,
+                    "output_lengths": guard.control.lengths_view() if guard.control else {},
                     "queued": dict(guard.queued),
                 }
                 migrate_tiers = sorted(n for n, t in guard.tiers.items() if t.migrate)

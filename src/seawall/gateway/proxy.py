@@ -52,6 +52,7 @@ from seawall.protocol.sse import (
 )
 
 if TYPE_CHECKING:
+    from seawall.gateway.admission_control import Ticket
     from seawall.gateway.app import Gateway
 
 log = logging.getLogger("seawall.access")
@@ -85,6 +86,8 @@ class RequestCtx:
     migrate: bool = False
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     reserved: dict[str, int] = field(default_factory=dict)  # replica id -> blocks reserved
+    admission: Ticket | None = None  # adaptive admission's handle (admission_control.py)
+    stream_events: int = 0  # SSE events relayed after the head (a completion-length count)
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     opened: Opened | None = None  # the upstream being relayed now
     aborted: bool = False  # the engine ended the stream with finish_reason "abort"
@@ -221,6 +224,8 @@ class Proxy:
             blocks = blocks_for(ctx.reserve_tokens, replica.kv_block_size)
             replica.reserved_blocks += blocks
             ctx.reserved[replica.id] = ctx.reserved.get(replica.id, 0) + blocks
+        if ctx.admission is not None:
+            ctx.admission.bind(replica.id)
 
     async def _attempt(self, ctx: RequestCtx, replica: Replica, body: bytes) -> Opened:
         gw = self.gw
@@ -254,6 +259,8 @@ class Proxy:
             if not ok:
                 replica.inflight -= 1
                 replica.reserved_blocks -= ctx.reserved.pop(replica.id, 0)
+                if ctx.admission is not None:
+                    ctx.admission.release(replica.id, ctx, None, clock.monotonic())
                 gw.metrics.inflight.labels(replica.id).dec()
 
     def _attempt_failed(self, replica: Replica, f: AttemptFailed) -> None:
@@ -403,6 +410,8 @@ class Proxy:
         opened.close()
         replica.inflight -= 1
         replica.reserved_blocks -= ctx.reserved.pop(replica.id, 0)
+        if ctx.admission is not None:
+            ctx.admission.release(replica.id, ctx, opened, clock.monotonic())
         self.gw.metrics.inflight.labels(replica.id).dec()
 
     async def _relay(
@@ -728,6 +737,7 @@ class _Relay:
         replica.observe_itl(gap)
         replica.chunks_relayed += 1
         ctx = self.ctx
+        ctx.stream_events += data.count(b"data:")
         if self._filter:
             out = self._proxy._filter(ctx, self._sse.feed(data))
             if out:

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import logging
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -26,9 +27,11 @@ from seawall import clock
 from seawall.auth import KeyStore, is_key_hash
 from seawall.config import ConfigError, GatewayConfig, TimeoutOverrides, format_validation_error
 from seawall.errors import ApiError, rate_limited
-from seawall.fleet.view import EngineLoad, ReplicaView
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
+from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.proxy import RequestCtx
 from seawall.gateway.replicas import Replica, blocks_for
+from seawall.policy.adaptive_admission import ControlConfig, OutputLengths
 from seawall.policy.admission import (
     AdmissionThresholds,
     Queue,
@@ -116,8 +119,46 @@ class RateLimitConfig(_Strict):
     key_prefix: str = "seawall:limits:"
 
 
+_ADAPTIVE = ControlConfig()  # the defaults, documented once in policy/adaptive_admission.py
+
+
+class AdaptiveAdmissionConfig(_Strict):
+    """`admission.adaptive`: the adaptive KV controller. Every rule and default is explained
+    in policy/adaptive_admission.py (ControlConfig); the names are the same."""
+
+    kv_target: Annotated[float, Field(gt=0, le=2)] = _ADAPTIVE.kv_target
+    kv_high: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.kv_high
+    tier_step: Annotated[float, Field(ge=0, lt=1)] = _ADAPTIVE.tier_step
+    min_reserve: Annotated[float, Field(ge=-1, le=1)] = _ADAPTIVE.min_reserve
+    preemption_budget_per_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_budget_per_s
+    preemption_window_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_window_s
+    tighten_step: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.tighten_step
+    tighten_interval_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.tighten_interval_s
+    loosen_per_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.loosen_per_s
+    calm_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.calm_s
+    outgrown_at: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.outgrown_at
+    overrun_ratio: Annotated[float, Field(ge=1)] = _ADAPTIVE.overrun_ratio
+    progress_floor: Annotated[float, Field(ge=0, le=1)] = _ADAPTIVE.progress_floor
+    fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
+    lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
+    length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.1  # weight of each new completion
+    length_min_samples: Annotated[int, Field(ge=1)] = 3  # before a key's estimate is used
+
+    def control(self, metrics_max_age_s: float) -> ControlConfig:
+        fields = self.model_dump(exclude={"length_alpha", "length_min_samples"})
+        fields["fresh_s"] = min(self.fresh_s, metrics_max_age_s / 2)
+        return ControlConfig(**fields, metrics_max_age_s=metrics_max_age_s)
+
+
 class AdmissionConfig(_Strict):
     enabled: bool = True
+    # "adaptive" (default): reserve KV on learned output lengths, corrected by the engine's
+    # gauges (admission.adaptive); it equals "reserve" on traffic that runs to max_tokens
+    # and keeps the throughput "reserve" gives away when requests stop at EOS. "reserve":
+    # every request reserves prompt + max_tokens (kv_reserve_max below). Either way, an
+    # engine that exports no KV cache size falls back to the thresholds below.
+    mode: Literal["adaptive", "reserve"] = "adaptive"
+    adaptive: AdaptiveAdmissionConfig = Field(default_factory=AdaptiveAdmissionConfig)
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] = 0.9
     waiting_max: Annotated[float, Field(ge=0)] = 5
     preemption_rate_max_per_s: Annotated[float, Field(gt=0)] = 2.0
@@ -190,8 +231,26 @@ class TenancyGuard:
         self._completions: deque[float] = deque(maxlen=512)
         self._orphans: set[asyncio.Future[None]] = set()
         self._trends: dict[str, _Trend] = {}  # per replica, updated once per new scrape
+        adaptive = self.admission.enabled and self.admission.mode == "adaptive"
+        a = self.admission.adaptive
+        self.control = (
+            AdmissionControl(
+                a.control(self.admission.metrics_max_age_s),
+                gw.metrics,
+                OutputLengths(a.length_alpha, a.length_min_samples),
+            )
+            if adaptive
+            else None
+        )
+        # The controller judges KV and preemptions itself; the queue, in-flight and
+        # staleness thresholds still apply before it.
+        self.thresholds_adaptive = dataclasses.replace(
+            self.thresholds, kv_usage_max=1.0, preemption_rate_max_per_s=math.inf
+        )
         if self.admission.enabled:
             gw.replicas.saturation = self.saturation
+        if self.control is not None:  # every scrape, even when no request arrives to ask
+            gw.monitor.subscribe(self._on_snapshot)
 
     # -- request path -------------------------------------------------------------------
 
@@ -212,7 +271,9 @@ class TenancyGuard:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
         ctx.migrate = ctx.track_text = tier.migrate and req.stream
         # 2. tier limits: count only when a limit needs the count.
-        reserve = self.admission.enabled and self.admission.kv_reserve_max is not None
+        reserve = self.admission.enabled and (
+            self.admission.kv_reserve_max is not None or self.control is not None
+        )
         needs_count = (
             reserve or limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
         )
@@ -232,6 +293,10 @@ class TenancyGuard:
             cap = card.get("max_model_len")
             need = prompt_tokens + decision.max_tokens
             ctx.reserve_tokens = min(need, cap) if isinstance(cap, int) and cap > 0 else need
+            if self.control is not None:
+                self.control.attach(
+                    ctx, prompt_tokens, decision.max_tokens, ctx.reserve_tokens, tier.priority
+                )
         # 3. tenant rates and concurrency
         if limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent:
             # Shielded: if the client leaves while a shared backend runs the acquire, the
@@ -301,10 +366,16 @@ class TenancyGuard:
         )
         if not isinstance(decision, Queue):
             self._shed(ctx, "fleet_saturated")
+            retry_after = decision.retry_after_s
+            if self.control is not None:  # when the replicas' own drain says sooner or later
+                ids = [r.id for r in saturated]
+                retry_after = (
+                    self.control.retry_after_s(ids, ctx.reserve_tokens, now) or retry_after
+                )
             raise rate_limited(
                 f"Every replica serving `{model}` is saturated; "
                 + (decision.reason or "retry after the indicated time."),
-                decision.retry_after_s,
+                retry_after,
                 code="fleet_saturated",
             )
         self.queued[model] = queue_len + 1
@@ -372,6 +443,9 @@ class TenancyGuard:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         load = self._trend(replica.id, load)
+        if self.control is not None and load.kv_capacity_tokens:
+            reason = replica_saturated(load, replica.inflight, None, now, self.thresholds_adaptive)
+            return reason or self.control.saturation(replica.id, load, now, need_tokens)
         trend = self._trends.get(replica.id)
         rate = trend.preemption_rate_per_s if trend is not None else None
         reserving = self.admission.kv_reserve_max is not None and bool(load.kv_capacity_tokens)
@@ -391,6 +465,13 @@ class TenancyGuard:
             load.kv_capacity_tokens / block,
             self.admission.kv_reserve_max,
         )
+
+    def _on_snapshot(self, snap: FleetSnapshot) -> None:
+        assert self.control is not None
+        now = clock.monotonic()
+        for rid, view in snap.replicas.items():
+            if view.load is not None and view.load.kv_capacity_tokens:
+                self.control.observe(rid, self._trend(rid, view.load), now)
 
     def _trend(self, replica_id: str, load: EngineLoad) -> EngineLoad:
         """The load admission judges: the waiting queue as the smaller of the last two
