@@ -73,7 +73,14 @@ async def serve(config: GatewayConfig, access_log: bool = True) -> int:
 
     gw = Gateway(config, access_log=access_log)
     port = await gw.start()
-    log.info("seawall gateway listening on http://%s:%d", config.listen.host, port)
+    # On stdout whatever the log level: with `port: 0`, this line is how a supervisor
+    # (or a test) learns the address.
+    print(f"seawall gateway listening on http://{config.listen.host}:{port}", flush=True)
+    if gw.admin is not None and gw.admin.port is not None:
+        print(
+            f"seawall admin API listening on http://{config.admin.host}:{gw.admin.port}",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
