@@ -63,6 +63,15 @@ class ApiError(Exception):
         return b"data: " + self.json_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
+def clip(client_text: str, limit: int = 100) -> str:
+    """A client's string as it may appear in an error message or a log field: cut to
+    `limit` characters, so that what a client sends can never make an answer or a log
+    line large."""
+    if len(client_text) <= limit:
+        return client_text
+    return client_text[:limit] + f"... ({len(client_text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from seawall import clock
 from seawall.config import Timeouts
-from seawall.errors import ApiError, unavailable
+from seawall.errors import ApiError, clip, unavailable
 from seawall.gateway.context import RequestCtx, new_request_id
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.fleet_admission import FleetAdmission
@@ -143,12 +143,13 @@ class Proxy:
                     {
                         "request_id": ctx.request_id,
                         "route": ctx.route,
-                        "model": ctx.model[:_LOG_FIELD_MAX] if ctx.model else "unknown",
+                        "model": clip(ctx.model, _LOG_FIELD_MAX) if ctx.model else "unknown",
                         "tenant": ctx.tenant,
                         "status": ctx.status,
                         "replica": ctx.replica,
                         "attempts": ctx.attempts,
                         "ttft_s": None if ctx.ttft_s is None else round(ctx.ttft_s, 4),
+                        "queued_s": round(ctx.queued_s, 4),
                         "duration_s": round(elapsed, 4),
                         "error": ctx.error[: _LOG_FIELD_MAX * 4] or None,
                     }
