@@ -66,9 +66,7 @@ def _json(status: int, obj: Any) -> web.Response:
 
 
 def _error(e: ApiError) -> web.Response:
-    return web.Response(
-        body=e.json_bytes(), status=e.status, content_type="application/json", headers=e.headers
-    )
+    return web.Response(body=e.json_bytes(), status=e.status, headers=e.response_headers())
 
 
 class Gateway:

@@ -125,8 +125,7 @@ class Proxy:
     def _error_response(self, ctx: RequestCtx, e: ApiError) -> web.Response:
         ctx.status = e.status
         ctx.error = ctx.error or e.message
-        headers = {"X-Request-Id": ctx.request_id, **e.headers}
-        headers["Content-Type"] = e.content_type
+        headers = {"X-Request-Id": ctx.request_id, **e.response_headers()}
         return web.Response(body=e.json_bytes(), status=e.status, headers=headers)
 
     def _finish(self, ctx: RequestCtx) -> None:
