@@ -523,7 +523,7 @@ class LocalSupervisor:
             raise KeyError(f"no local replica {replica.replica_id!r}")
         return rep
 
-    async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> None:
+    async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> bool:
         """Stop the replica's process and start it again at once (no backoff).
 
         Not done (unless `force`), with a `restart_refused` event saying why:
@@ -533,7 +533,8 @@ class LocalSupervisor:
           restarting it, and skipping the wait would turn a crash loop into a tight loop
           (the fleet monitor asks for a restart whenever it sees a replica die).
         A process that has just died on its own is left to the crash path for the same
-        reason. A stopped replica is started again.
+        reason. A stopped replica is started again. Returns True: a restart happened
+        or is under way; False when refused for a replica still loading.
         """
         rep = self._get(replica)
         asked = reason or "requested"
@@ -545,26 +546,27 @@ class LocalSupervisor:
             rep.restarts += 1
             rep.reason = f"restarted: {asked}"
             rep.task = asyncio.create_task(self._supervise(rep), name=f"supervise-{rep.replica_id}")
-            return
+            return True
         now = clock.monotonic()
         if not force:
             if rep.state == "starting" and not startup_expired(
                 rep.started_at, self.startup_allowance_s, now
             ):
                 self._emit(rep, "restart_refused", f"still loading (asked: {asked})")
-                return
+                return False
             if rep.state == "backoff":
                 self._emit(rep, "restart_refused", f"already restarting (asked: {asked})")
-                return
+                return True
         if rep.state == "backoff":
             rep.restart_requested = asked
             rep.wake.set()
-            return
+            return True
         proc = rep.proc
         if proc is None or proc.returncode is not None:
-            return  # it died on its own just now: the crash path restarts it, with backoff
+            return True  # it died on its own just now: the crash path restarts it, with backoff
         rep.restart_requested = asked
         await self._terminate(rep, self.stop_grace_s)
+        return True
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         """SIGTERM, SIGKILL after `grace_s`; the replica stays listed as `stopped`."""

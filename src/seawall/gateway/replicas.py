@@ -26,7 +26,7 @@ class Replica:
     id: str
     url: str
     model: str | None
-    node: str
+    node: str | None  # None: its own failure domain (see seawall.config.ReplicaConfig)
     api_key: str | None = None
     engine: str = "auto"
     inflight: int = 0

@@ -299,7 +299,15 @@ class LocalFleet:
         refs = await self.supervisor.start(f.model, f.replicas)
         if self.gateway is not None:
             await self.gateway.start(
-                [{"url": r.url, "model": r.model, "node": r.node, "id": r.replica_id} for r in refs]
+                [
+                    {
+                        "url": r.url,
+                        "model": r.model,
+                        "id": r.replica_id,
+                        **({"node": r.node} if r.node else {}),
+                    }
+                    for r in refs
+                ]
             )
 
     def target_urls(self) -> list[str]:
