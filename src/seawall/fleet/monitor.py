@@ -54,12 +54,7 @@ from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Discovery, Endpoint, watch
 from seawall.fleet.export import FleetMetricFamilies, FleetMetrics
 from seawall.fleet.gpu import HEALTHY, GpuHealth, assess, parse_dcgm
-from seawall.fleet.signals import (
-    GatewaySignals,
-    NoGatewaySignals,
-    Observed,
-    ReplicaSetSignals,
-)
+from seawall.fleet.signals import GatewaySignals, NoGatewaySignals, Observed
 from seawall.fleet.tracked import ReplicaSpec, TrackedDomain, TrackedReplica, TransitionRecord
 from seawall.fleet.view import FleetSnapshot, ReplicaView
 from seawall.policy import health
@@ -746,6 +741,7 @@ class FleetMonitor:
             load=load,
             saturated=decided.saturated,
             saturation_reason=decided.saturation_reason,
+            held=rep.held,
             health_score=breakdown.total if breakdown else None,
             score_parts=tuple(breakdown.factors().items()) if breakdown else (),
         )
@@ -871,7 +867,6 @@ __all__ = [
     "GatewaySignals",
     "NoGatewaySignals",
     "Observed",
-    "ReplicaSetSignals",
     "ReplicaSpec",
     "TransitionRecord",
     "replica_specs",
