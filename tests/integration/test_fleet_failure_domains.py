@@ -18,7 +18,7 @@ import yaml
 
 from seawall.auth import hash_key
 from tests.support.fleet import MODEL, running, set_fault, start_sim, wait_until
-from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
+from tests.support.procs import Proc, bound_port, seawall_argv, spawn, wait_http
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,11 +30,10 @@ class Gateway:
     """`seawall serve` with replicas listed without a node, and its admin API."""
 
     def __init__(self, artifacts: Path, sims: list[Proc], ledger: Path, name: str) -> None:
-        self.port, self.admin_port = free_port(), free_port()
         config: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": self.port},
+            "listen": {"host": "127.0.0.1", "port": 0},
             "replicas": [{"url": s.url, "id": f"r{i}", "model": MODEL} for i, s in enumerate(sims)],
-            "admin": {"enabled": True, "port": self.admin_port, "token_hash": hash_key(TOKEN)},
+            "admin": {"enabled": True, "port": 0, "token_hash": hash_key(TOKEN)},
             "fleet": {
                 "liveness_interval_s": 0.2,
                 "scrape_interval_s": 0.2,
@@ -46,10 +45,11 @@ class Gateway:
         }
         path = artifacts / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.proc = spawn(
-            seawall_argv("serve", "--config", str(path)), artifacts / f"{name}.log", self.port
-        )
+        self.proc = spawn(seawall_argv("serve", "--config", str(path)), artifacts / f"{name}.log")
         try:
+            # Both ports bound by the gateway itself and read back from its log.
+            self.admin_port = bound_port(self.proc, b"seawall admin API listening")
+            bound_port(self.proc, b"seawall gateway listening")
             wait_http(f"{self.proc.url}/readyz", timeout=30, proc=self.proc)
         except BaseException:
             self.proc.stop()
