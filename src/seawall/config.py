@@ -36,7 +36,10 @@ class _Strict(BaseModel):
 class ReplicaConfig(_Strict):
     url: str  # base URL, e.g. http://127.0.0.1:8001 (no trailing /v1)
     model: str | None = None  # served model name; None: discovered from GET /v1/models
-    node: str = "local"  # failure domain of the hardware (a machine, a GPU host)
+    # The hardware this replica shares with others (a machine, a GPU host): K restarts
+    # within the window on one node cordon it. None: the replica is its own failure
+    # domain, so one replica's failures never take another out of service.
+    node: str | None = None
     id: str | None = None  # stable name in metrics and logs; default "r<index>"
     engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged

@@ -234,7 +234,7 @@ class Gateway:
         replica_id: str,
         url: str,
         model: str | None,
-        node: str = "local",
+        node: str | None = None,
         api_key: str | None = None,
         engine: str = "auto",
     ) -> Replica:
