@@ -111,6 +111,7 @@ class Gateway:
             from seawall.gateway.stack import install_layers
 
             install_layers(self)
+        self._seed_metrics()
 
     # -- shared state -------------------------------------------------------------------
 
@@ -272,7 +273,16 @@ class Gateway:
             return _json(503, {"status": "no usable replica"})
         return _json(200, {"status": "ready"})
 
+    def _seed_metrics(self) -> None:
+        """Series the gateway can name in advance exist at zero (see `Metrics.seed`)."""
+        self.metrics.seed(
+            replicas=[(r.id, r.node) for r in self.replicas.all()],
+            models=self.replicas.models(),
+            tenants={n: (t or {}).get("tier", "default") for n, t in self.config.tenants.items()},
+        )
+
     async def _metrics(self, request: web.Request) -> web.Response:
+        self._seed_metrics()  # replicas and models that came or went since the last scrape
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
