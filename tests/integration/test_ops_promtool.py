@@ -159,6 +159,37 @@ def _gateway_cases(a: rules.Alert) -> list[dict[str, Any]]:
                 None,
             ),
         ]
+    if a.name == "SeawallStreamsCutMidway":
+        cut = {**g, "reason": "upstream_reset"}
+        ok = {**g, "model": "m", "route": "chat", "status": "200"}
+        shed = {**g, "model": "m", "route": "chat", "status": "429"}
+        return [
+            # 5 of 100 answered streams cut: over 1%.
+            _case(
+                a,
+                [_series(m.STREAM_ERRORS, cut, "0+5x40"), _series(m.REQUESTS, ok, "0+100x40")],
+                "30m",
+                g,
+            ),
+            # Zero cuts, as a seeded series reads before any event.
+            _case(
+                a,
+                [_series(m.STREAM_ERRORS, cut, "0x40"), _series(m.REQUESTS, ok, "0+100x40")],
+                "30m",
+                None,
+            ),
+            # Refusals are not streams: 1 cut over 10 answered plus 1000 refused is 10%.
+            _case(
+                a,
+                [
+                    _series(m.STREAM_ERRORS, cut, "0+1x40"),
+                    _series(m.REQUESTS, ok, "0+10x40"),
+                    _series(m.REQUESTS, shed, "0+1000x40"),
+                ],
+                "30m",
+                g,
+            ),
+        ]
     if a.name == "SeawallNodeCordoned":
         node = {"node": "gpu-7"}
         return [
