@@ -55,6 +55,7 @@ def test_seeded_series_start_at_zero_per_replica_node_model_tenant_and_reason() 
         assert series[f'{m.HARDWARE_TICKETS}{{node="{node}"}}'] == 0
         assert series[f'{m.RESTARTS}{{node="{node}",reason="health check failed"}}'] == 0
     assert series[f'{m.QUEUE_DEPTH}{{model="qwen"}}'] == 0
+    assert series[f'{m.REQUESTS}{{model="qwen",route="chat",status="200"}}'] == 0
     assert series[f'{m.TTFT}_count{{model="qwen"}}'] == 0
     assert series[f'{m.SHED}{{reason="max_concurrent",tenant="acme",tier="gold"}}'] == 0
     assert series[f'{m.SHED}{{reason="fleet_saturated",tenant="beta",tier="free"}}'] == 0

@@ -106,6 +106,9 @@ STREAM_ERROR_REASONS = (
     "itl_timeout",
     "total_timeout",
 )
+ROUTES = ("completions", "chat")
+# The status every route answers first; other statuses appear with their first answer.
+SEEDED_STATUS = "200"
 # A request without an API key (no tenants configured) is counted as this tenant and tier.
 ANONYMOUS_TENANT = "default"
 DEFAULT_TIER = "default"
@@ -329,6 +332,8 @@ class Metrics:
             self._forget_replica(replica_id)
         self._seeded_replicas = set(replica_nodes)
         for model in models:
+            for route in ROUTES:
+                self.requests.labels(model, route, SEEDED_STATUS)
             self.queue_depth.labels(model)
             self.ttft.labels(model)
             self.e2e.labels(model)
