@@ -75,7 +75,7 @@ def start_gateway(
     proc.extra["config_path"] = path
     wait_http(f"{proc.url}/healthz", timeout=20, proc=proc)
     if wait_ready:
-        wait_http(f"{proc.url}/readyz", timeout=20, proc=proc)
+        wait_http(f"{proc.url}/readyz?fleet=1", timeout=20, proc=proc)
     return proc
 
 
