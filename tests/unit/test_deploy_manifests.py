@@ -21,7 +21,6 @@ import seawall.fleet.discovery
 import seawall.gateway.app
 from seawall import envref
 from seawall.config import GatewayConfig, parse_config
-from seawall.fleet.config import FleetMonitorConfig
 from tests.support import prometheus_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +141,7 @@ def test_gateway_readiness_tolerates_a_slow_answer() -> None:
 
 
 def test_gateway_config_fleet_section_is_valid() -> None:
-    fleet = FleetMonitorConfig.model_validate(config_in("seawall-gateway").fleet)
+    fleet = config_in("seawall-gateway").fleet
     vllm_service = one("Service", "vllm")
     assert fleet.discovery is not None
     assert fleet.discovery.service == vllm_service["metadata"]["name"]
@@ -151,10 +150,9 @@ def test_gateway_config_fleet_section_is_valid() -> None:
 
 
 def test_limits_are_shared_through_the_redis_the_manifests_run() -> None:
-    from seawall.gateway.tenancy import load_tenancy
-
     for name in ("seawall-gateway", "seawall-actuator"):
-        tiers, tenants, rate, _ = load_tenancy(config_in(name))
+        config = config_in(name)
+        tiers, tenants, rate = config.tiers, config.tenants, config.ratelimit
         assert rate.backend == "redis"
         redis = one("Service", "seawall-redis")
         host = f"{redis['metadata']['name']}.{redis['metadata']['namespace']}.svc"
@@ -163,8 +161,8 @@ def test_limits_are_shared_through_the_redis_the_manifests_run() -> None:
 
 
 def test_only_the_actuator_acts_on_the_fleet() -> None:
-    gateway = FleetMonitorConfig.model_validate(config_in("seawall-gateway").fleet)
-    actuator = FleetMonitorConfig.model_validate(config_in("seawall-actuator").fleet)
+    gateway = config_in("seawall-gateway").fleet
+    actuator = config_in("seawall-actuator").fleet
     assert gateway.actuator == "none"
     assert actuator.actuator == "kubernetes"
     deployment = one("Deployment", "seawall-actuator")
@@ -231,7 +229,7 @@ def test_vllm_drain_numbers_follow_the_gateways() -> None:
     vllm = one("Deployment", "vllm")
     c = container(vllm)
     config = config_in("seawall-gateway")
-    fleet = FleetMonitorConfig.model_validate(config.fleet)
+    fleet = config.fleet
     assert fleet.discovery is not None
     shutdown_s = next(
         int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--shutdown-timeout=")
@@ -354,7 +352,7 @@ def granted(service_account: str, namespace: str) -> set[Permission]:
 
 
 def _namespace() -> str:
-    fleet = FleetMonitorConfig.model_validate(config_in("seawall-gateway").fleet)
+    fleet = config_in("seawall-gateway").fleet
     assert fleet.discovery is not None
     return fleet.discovery.namespace
 

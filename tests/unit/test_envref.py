@@ -11,7 +11,6 @@ import pytest
 from seawall import envref
 from seawall.config import ConfigError, load_config, parse_config
 from seawall.gateway.serve_cli import build_config
-from seawall.gateway.tenancy import load_tenancy
 
 SECRET = "sk-live-5ecret-value-do-not-print"
 
@@ -44,8 +43,7 @@ def test_a_reference_inside_a_string_and_the_escaped_literal(
     config = parse_config(
         {"ratelimit": {"redis_url": "redis://:${REDIS_PASSWORD}@${REDIS_HOST}:6379/0"}}
     )
-    _, _, rate, _ = load_tenancy(config)
-    assert rate.redis_url == "redis://:pw@redis.seawall.svc:6379/0"
+    assert config.ratelimit.redis_url == "redis://:pw@redis.seawall.svc:6379/0"
     literal = parse_config(_replica("price$${not_a_ref}"))
     assert literal.replicas[0].api_key == "price${not_a_ref}"
 
@@ -93,14 +91,17 @@ def test_validation_errors_never_echo_a_resolved_value(monkeypatch: pytest.Monke
     assert "<from ${GW_PORT}>" in text and "<from ${ENGINE_URL}>" in text
 
 
-def test_sections_validated_later_never_echo_a_resolved_value(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_nested_sections_never_echo_a_resolved_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAIL_MODE", SECRET)
-    config = parse_config({"ratelimit": {"backend": "redis", "fail_mode": "${FAIL_MODE}"}})
+    monkeypatch.setenv("ACTUATOR", SECRET)
     with pytest.raises(ConfigError) as e:
-        load_tenancy(config)
-    assert "ratelimit.fail_mode" in str(e.value)
+        parse_config(
+            {
+                "ratelimit": {"backend": "redis", "fail_mode": "${FAIL_MODE}"},
+                "fleet": {"actuator": "os.environ/ACTUATOR"},
+            }
+        )
+    assert "ratelimit.fail_mode" in str(e.value) and "fleet.actuator" in str(e.value)
     assert SECRET not in str(e.value)
 
 
@@ -128,7 +129,7 @@ def test_a_config_file_through_serve_keeps_the_resolved_secret(
     )
     config = build_config(args)
     assert config.replicas[0].api_key == SECRET
-    assert load_tenancy(config)[2].redis_url == "redis://127.0.0.1:6390/0"
+    assert config.ratelimit.redis_url == "redis://127.0.0.1:6390/0"
 
 
 def test_a_resolved_value_reads_as_its_source_in_repr() -> None:

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.samples import Sample
 
-from seawall.gateway.fastmetrics import FastHistogram
+from seawall.fastmetrics import FastHistogram
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
@@ -105,6 +105,7 @@ STREAM_ERROR_REASONS = (
     "upstream_reset",
     "itl_timeout",
     "total_timeout",
+    "gateway_draining",
 )
 ROUTES = ("completions", "chat")
 # The status every route answers first; other statuses appear with their first answer.
@@ -319,7 +320,6 @@ class Metrics:
         """
         replica_nodes = dict(replicas)
         for replica_id, node in replica_nodes.items():
-            self.inflight.labels(replica_id)
             self.upstream_connections.labels(replica_id)
             self.deep_probe_failures.labels(replica_id)
             for outcome in ATTEMPT_OUTCOMES:
@@ -355,16 +355,16 @@ class Metrics:
 
     def _forget_replica(self, replica_id: str) -> None:
         """Drop a departed replica's series (pod IPs churn; kept forever they would grow
-        the scrape without bound). An in-flight gauge still above zero stays: a request
-        still relayed to the replica decrements it when it ends."""
+        the scrape without bound). Its in-flight gauge is the gateway's to remove."""
         for family in (self.upstream_connections, self.deep_probe_failures):
             family.remove(replica_id)
         for outcome in _label_values(self.upstream_attempts, "replica", replica_id, "outcome"):
             self.upstream_attempts.remove(replica_id, outcome)
-        if not any(
-            s.value != 0 for s in _samples(self.inflight) if s.labels.get("replica") == replica_id
-        ):
-            self.inflight.remove(replica_id)
+
+    def record_shed(self, tenant: str, tier: str, reason: str, latency_s: float) -> None:
+        """A request refused at the door, and how long refusing it took."""
+        self.shed.labels(tenant, tier, reason).inc()
+        self.shed_latency.observe(latency_s)
 
 
 def _samples(family: Counter | Gauge) -> list[Sample]:
