@@ -2,13 +2,14 @@
 bearer token, and the gateway never prints it.
 
 The engine: `seawall sim --api-key` when the sim has that flag (vLLM's: 401 without the
-key). Otherwise a recording HTTP server on loopback stands in for the engine, because
-the point is what the engine receives and the sim does not report request headers;
-it answers the two routes the gateway calls with vLLM-shaped bodies.
+key). Otherwise a real `seawall sim` behind a recording hop on loopback: the hop notes
+the Authorization header of each request and forwards it unchanged, because the point
+is what the engine receives and the sim does not report request headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support.procs import ARTIFACTS, free_port, seawall_argv, spawn, wait_http
+from tests.support.procs import free_port, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -34,45 +35,52 @@ def _sim_has_api_key_flag() -> bool:
 
 
 @pytest.fixture
-async def recording_engine() -> AsyncIterator[tuple[str, list[str]]]:
+async def recording_engine(artifacts: Path) -> AsyncIterator[tuple[str, list[str]]]:
+    """A real sim behind a hop that records each request's Authorization header."""
     seen: list[str] = []
+    port = free_port()
+    sim = spawn(
+        seawall_argv("sim", "--port", str(port), "--model", MODEL),
+        artifacts / "sim-behind-hop.log",
+        port=port,
+    )
+    wait_http(sim.url + "/health", proc=sim)
+    session = aiohttp.ClientSession(auto_decompress=False)
 
-    async def any_route(request: web.Request) -> web.Response:
+    async def forward(request: web.Request) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
             seen.append(request.headers.get("Authorization", ""))
-        if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
-        if request.path == "/v1/completions":
-            return web.json_response(
-                {
-                    "id": "cmpl-0123456789abcdef",
-                    "object": "text_completion",
-                    "created": 0,
-                    "model": MODEL,
-                    "choices": [
-                        {"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }
-            )
-        return web.Response(text="")
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with session.request(
+            request.method, sim.url + request.path_qs, headers=headers, data=await request.read()
+        ) as upstream:
+            out = web.StreamResponse(status=upstream.status)
+            for k, v in upstream.headers.items():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    out.headers[k] = v
+            await out.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
 
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", any_route)
+    app.router.add_route("*", "/{tail:.*}", forward)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    hop = free_port()
+    await web.TCPSite(runner, "127.0.0.1", hop).start()
     try:
-        yield f"http://127.0.0.1:{port}", seen
+        yield f"http://127.0.0.1:{hop}", seen
     finally:
         await runner.cleanup()
+        await session.close()
+        sim.stop()
 
 
 async def test_the_engine_receives_the_resolved_key_and_logs_never_show_it(
-    tmp_path: Path, recording_engine: tuple[str, list[str]]
+    tmp_path: Path, artifacts: Path, recording_engine: tuple[str, list[str]]
 ) -> None:
-    artifacts = ARTIFACTS / "test_envref_engine_key"
     procs = []
     try:
         if _sim_has_api_key_flag():
@@ -102,7 +110,10 @@ async def test_the_engine_receives_the_resolved_key_and_logs_never_show_it(
             env={"VLLM_API_KEY": SECRET},
         )
         procs.append(gateway)
-        wait_http(gateway.url + "/v1/models", proc=gateway)
+        # In a thread: the recording hop serves on this test's event loop.
+        await asyncio.to_thread(
+            wait_http, gateway.url + "/readyz?fleet=1", timeout=30, proc=gateway
+        )
         async with (
             aiohttp.ClientSession() as session,
             session.post(
