@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from yarl import URL
 
+from seawall import envref
 from seawall.auth import is_key_hash
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.policy.admission import AdmissionThresholds
@@ -320,6 +321,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    data = envref.resolve_config(data, source, ConfigError)  # os.environ/NAME and ${NAME}
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:

@@ -349,7 +349,7 @@ def _fleet_section(merged: dict[str, Any], log_dir: Path, actuator: str) -> dict
 
 async def _readyz(http: aiohttp.ClientSession, url: str) -> bool:
     try:
-        async with http.get(url + "/readyz") as resp:
+        async with http.get(url + "/readyz?fleet=1") as resp:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
