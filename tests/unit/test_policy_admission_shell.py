@@ -1,12 +1,12 @@
 """The gateway's shell around the adaptive controller (gateway/admission_control.py): how a
-request's demand travels, how its reservation is bound and released once per replica, and
+request's demand travels, how its reservation follows the in-flight ledger's holds, and
 how a completion's length is read. No sockets: a Gateway object is built, not started."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from seawall.config import GatewayConfig
+from seawall.config import GatewayConfig, Timeouts
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import (
     AdmissionControl,
@@ -14,8 +14,8 @@ from seawall.gateway.admission_control import (
     completion_tokens,
 )
 from seawall.gateway.app import Gateway
-from seawall.gateway.proxy import RequestCtx
-from seawall.gateway.tenancy import TenancyGuard
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.inflight import InFlight
 from seawall.policy.adaptive_admission import ControlConfig
 from seawall.protocol.sse import Event, Kind
 
@@ -23,8 +23,6 @@ CAPACITY = 199 * 16
 
 
 def ctx(model: str = "m") -> RequestCtx:
-    from seawall.config import Timeouts
-
     c = RequestCtx("id", "completions", 0.0, Timeouts())
     c.tenant, c.tier = "acme", "default"
 
@@ -49,10 +47,10 @@ def load(at: float, kv: float = 0.2) -> EngineLoad:
     )
 
 
-class _Opened:
-    def __init__(self, body: bytes | None = None, head: list[Event] | None = None) -> None:
-        self.body = body
-        self.head = head or []
+def reserved_blocks(control: AdmissionControl, replica: str, now: float) -> float:
+    state = control.state(replica, now)
+    assert state is not None
+    return state.reserved_blocks
 
 
 def test_the_demand_rides_on_an_int_worth_todays_worst_case() -> None:
@@ -67,74 +65,83 @@ def test_the_demand_rides_on_an_int_worth_todays_worst_case() -> None:
     assert c.reserve_tokens.demand.max_tokens == 412
 
 
-def test_a_reservation_is_bound_and_released_once_per_replica_and_teaches_the_length() -> None:
+def test_a_reservation_follows_the_ledger_hold_and_the_end_teaches_the_length() -> None:
     control = AdmissionControl(ControlConfig())
+    ledger = InFlight()
     control.observe("r0", load(1.0), 1.0)
     c = ctx()
     control.attach(c, 100, 1000, 1100, 0)
     assert c.admission is not None
-    c.admission.bind("r0")
-    c.admission.bind("r0")  # a second bind of the same attempt changes nothing
-    state = control.state("r0", 1.0)
-    assert state is not None and state.reserved_blocks == 69
-    c.status = 200
-    body = b'{"usage": {"prompt_tokens": 100, "completion_tokens": 321}}'
-    c.admission.release("r0", c, _Opened(body=body), 2.0)  # type: ignore[arg-type]
-    c.admission.release("r0", c, _Opened(body=body), 2.0)  # type: ignore[arg-type]
-    after = control.state("r0", 2.0)
-    assert after is not None and after.reserved_blocks == 0
-    assert control.lengths_view()["m/default/acme/<=1024"]["expected_tokens"] == 321
-    assert control.lengths_view()["m/default/acme/<=1024"]["samples"] == 1
+    hold = ledger.hold("r0")
+    c.admission.bind("r0", hold)
+    assert reserved_blocks(control, "r0", 1.0) == 69
+    # The attempt ends (its hold released): the next decision there sees the room again.
+    hold.release()
+    other = ctx()
+    control.attach(other, 100, 1000, 1100, 0)
+    in_flight = ledger.counts("r0").requests
+    assert control.saturation("r0", load(1.0), 1.0, other.reserve_tokens, in_flight) is None
+    assert reserved_blocks(control, "r0", 1.0) == 0
+    # The request's end learns its length from the engine's usage; a second end is a no-op.
+    c.status, c.usage = 200, {"prompt_tokens": 100, "completion_tokens": 321}
+    control.finish(c, 2.0)
+    control.finish(c, 2.0)
+    learned = control.lengths_view()["m/default/acme/<=1024"]
+    assert learned["expected_tokens"] == 321 and learned["samples"] == 1
 
 
-def test_failed_or_cut_attempts_release_without_teaching() -> None:
+def test_a_request_that_ends_badly_gives_its_reservation_back_and_teaches_nothing() -> None:
     control = AdmissionControl(ControlConfig())
     c = ctx()
     control.attach(c, 100, 1000, 1100, 0)
     assert c.admission is not None
-    c.admission.bind("r0")
+    c.admission.bind("r0", InFlight().hold("r0"))
     c.status, c.error = 200, "upstream_reset"  # the stream ended badly: not a length
-    c.admission.release("r0", c, _Opened(body=b'{"completion_tokens": 3}'), 1.0)  # type: ignore[arg-type]
+    c.usage = {"completion_tokens": 3}
+    control.finish(c, 1.0)
     assert control.lengths_view() == {}
-    state = control.state("r0", 1.0)
-    assert state is not None and state.reserved_blocks == 0
+    assert reserved_blocks(control, "r0", 1.0) == 0
 
 
-def test_completion_length_from_usage_body_or_relayed_events() -> None:
+def test_completion_length_from_usage_or_relayed_events() -> None:
     c = ctx()
     c.usage = {"completion_tokens": 42}
-    assert completion_tokens(c, _Opened(body=None)) == 42  # type: ignore[arg-type]
+    assert completion_tokens(c) == 42
     c.usage = None
-    unary = _Opened(body=b'{"choices": [], "usage": {"completion_tokens": 7}}')
-    assert completion_tokens(c, unary) == 7  # type: ignore[arg-type]
-    token = Event(Kind.TOKEN, b"data: {}\n\n", None)
-    prelude = Event(Kind.PRELUDE, b"data: {}\n\n", None)
-    streamed = _Opened(body=None, head=[prelude, token])
-    c.stream_events = 30  # 29 token events and [DONE] after the head
-    assert completion_tokens(c, streamed) == 30  # type: ignore[arg-type]
+    assert completion_tokens(c) is None  # nothing was relayed
+
+    class _Opened:
+        head = [
+            Event(Kind.PRELUDE, b"data: {}\n\n", None),
+            Event(Kind.TOKEN, b"data: {}\n\n", None),
+        ]
+
+    c.stream.opened = _Opened()  # type: ignore[assignment]
+    c.stream.events = 30  # 29 token events and [DONE] after the head
+    assert completion_tokens(c) == 30
 
 
-def test_the_guard_feeds_every_snapshot_and_refuses_with_the_controllers_reason() -> None:
+def test_fleet_admission_follows_every_snapshot_and_refuses_with_the_reason() -> None:
     gw = Gateway(
         GatewayConfig(replicas=[{"url": "http://127.0.0.1:1", "model": "m", "id": "r0"}]),
         access_log=False,
     )
-    guard = gw.guard
-    assert isinstance(guard, TenancyGuard) and guard.control is not None
+    fleet = gw.fleet_admission
+    assert fleet.control is not None  # adaptive is the default
     replica = gw.replicas.all()[0]
     view = ReplicaView("r0", replica.url, "m", "local", load=load(10.0, kv=0.97))
-    guard._on_snapshot(FleetSnapshot({"r0": view}, 10.0))  # the monitor's listener
-    state = guard.control.state("r0", 10.0)
+    fleet.on_snapshot(FleetSnapshot({"r0": view}, 10.0))  # the monitor's listener
+    state = fleet.control.state("r0", 10.0)
     assert state is not None and state.kv_usage == 0.97
     c = ctx()
-    guard.control.attach(c, 100, 1000, 1100, 0)
+    fleet.control.attach(c, 100, 1000, 1100, 0)
     assert c.admission is not None
-    c.admission.bind("r0")
+    c.admission.bind("r0", gw.ledger.hold("r0"))
     other = ctx()
-    guard.control.attach(other, 100, 1000, 1100, 0)
-    reason = guard.saturation(replica, view, now=10.0, need_tokens=other.reserve_tokens)
+    fleet.control.attach(other, 100, 1000, 1100, 0)
+    reason = fleet.saturation(replica, view, now=10.0, need_tokens=other.reserve_tokens)
     assert reason is not None and "kv cache 97% used" in reason
-    # Today's mode is one setting away and does not build a controller.
+    # Today's mode is one setting away and builds no controller.
     legacy = Gateway(
         GatewayConfig(
             replicas=[{"url": "http://127.0.0.1:1", "model": "m"}],
@@ -142,4 +149,4 @@ def test_the_guard_feeds_every_snapshot_and_refuses_with_the_controllers_reason(
         ),
         access_log=False,
     )
-    assert isinstance(legacy.guard, TenancyGuard) and legacy.guard.control is None
+    assert legacy.fleet_admission.control is None

@@ -1,20 +1,23 @@
 """The shell around the adaptive KV admission controller (`policy.adaptive_admission`).
 
 Owns the controller instances (one per replica), this gateway's reservation sums per
-replica, and the learned output lengths. It is fed from three places, each a one-line
-hook so the request path's shape can change around it:
+replica, and the learned output lengths. It is fed from a few one-line hooks, so the
+request path's shape can change around it:
 
-- `TenancyGuard.admit` calls `attach` once the prompt is counted and `max_tokens` decided:
-  the request's `Demand` (prompt, ceiling, learned estimate, tier priority) rides on
-  `ctx.reserve_tokens` (a `ReserveTokens`, an int worth today's worst-case tokens, so every
-  caller that passes an int still works) and `ctx.admission` (a `Ticket`);
-- `TenancyGuard` subscribes `observe` to the fleet monitor's snapshots, so every new scrape
-  reaches the replica's controller even when no request arrives; `TenancyGuard.saturation`
-  calls `saturation` per replica and candidate request for the decision (feeding the scrape
-  too, if the listener has not yet), and `_fleet_admission` asks `retry_after_s` for the
-  Retry-After of a 429 when every replica holds;
-- the proxy calls `Ticket.bind` where it reserves KV on a replica for an attempt, and
-  `Ticket.release` where it releases it, with the completion's usage when there is one.
+- `FleetAdmission.admit` calls `attach` once the prompt is counted and `max_tokens`
+  decided: the request's `Demand` (prompt, ceiling, learned estimate, tier priority) rides
+  on `ctx.reserve_tokens` (a `ReserveTokens`, an int worth today's worst-case tokens, so
+  every caller that passes an int still works) and `ctx.admission` (an `AdmissionTicket`);
+- the composition root subscribes `observe` to the fleet monitor's snapshots, so every new
+  scrape reaches the replica's controller even when no request arrives;
+  `FleetAdmission.saturation` calls `saturation` per replica and candidate request for the
+  decision, and `admit` asks `retry_after_s` for a 429's Retry-After;
+- the dispatcher calls `AdmissionTicket.bind` with the in-flight ledger's hold where it
+  claims a replica for an attempt; a released hold gives its reservation back at the next
+  decision on that replica (`saturation` sees the ledger's count drop), and
+  `FleetAdmission.completed` calls `finish` at the request's end (every hold released by
+  then), which also learns the completion's length from the engine's usage or the relayed
+  events.
 
 Must not: block, read the clock (the caller passes `now`), or decide anything itself: the
 rules are the policy module's. With several gateways (issue 15) the `Reservations` kept
@@ -24,7 +27,6 @@ here become a shared count; nothing else here changes.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,13 +41,12 @@ from seawall.policy.adaptive_admission import (
     ReplicaAdmission,
     Reservations,
 )
+from seawall.protocol.sse import Kind
 
 if TYPE_CHECKING:
-    from seawall.gateway.metrics import Metrics
-    from seawall.gateway.proxy import RequestCtx
-    from seawall.gateway.upstream import Opened
-
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+    from seawall.gateway.context import RequestCtx
+    from seawall.gateway.inflight import Hold as LedgerHold
+    from seawall.metrics import Metrics
 
 
 class ReserveTokens(int):
@@ -66,11 +67,12 @@ class _Replica:
     reserved: Reservations = field(default_factory=Reservations)
     load: EngineLoad | None = None
     block_size: int = 16
+    bound: set[AdmissionTicket] = field(default_factory=set)  # tickets reserving here
 
 
-class Ticket:
-    """One request's handle: where it is bound, so its reservation is released exactly once
-    per replica, and its key for learning its length."""
+class AdmissionTicket:
+    """One request's handle: the replicas it reserves on (with the ledger hold of the
+    attempt, whose release gives the reservation back), and its key for learning."""
 
     __slots__ = ("bound", "control", "demand", "key")
 
@@ -78,35 +80,26 @@ class Ticket:
         self.control = control
         self.demand = demand
         self.key = key
-        self.bound: dict[str, int] = {}  # replica id -> block size used when bound
+        self.bound: dict[str, tuple[LedgerHold, int]] = {}  # replica -> (hold, block size)
 
-    def bind(self, replica_id: str) -> None:
-        self.control._bind(self, replica_id)
-
-    def release(self, replica_id: str, ctx: RequestCtx, opened: Opened | None, now: float) -> None:
-        """The attempt on `replica_id` is over. A completed one (status 200, no error, not
-        migrated) teaches its length."""
-        tokens = None
-        if opened is not None and ctx.status == 200 and not ctx.error and not ctx.migrations:
-            tokens = completion_tokens(ctx, opened)
-        self.control._release(self, replica_id, tokens, now)
+    def bind(self, replica_id: str, hold: LedgerHold) -> None:
+        """An attempt claimed `replica_id` (its ledger hold): reserve there until released."""
+        self.control._bind(self, replica_id, hold)
 
 
-def completion_tokens(ctx: RequestCtx, opened: Opened) -> int | None:
-    """The completion's length: the engine's usage when the gateway has it, else the body's
-    usage (non-streaming), else the token events relayed (one per engine step; speculative
-    decoding would put several in one, so it is a lower bound there)."""
+def completion_tokens(ctx: RequestCtx) -> int | None:
+    """The completion's length: the engine's usage when the gateway read it (non-streaming
+    answers, streams with include_usage), else the token events relayed (one per engine
+    step; speculative decoding would put several in one, so a lower bound there)."""
     usage = ctx.usage
     if usage and isinstance(usage.get("completion_tokens"), int):
         return int(usage["completion_tokens"])
-    if opened.body is not None:
-        m = _COMPLETION_TOKENS.search(opened.body)
-        return int(m.group(1)) if m else None
-    from seawall.protocol.sse import Kind
-
+    opened = ctx.stream.opened
+    if opened is None:
+        return None
     head = sum(1 for e in opened.head if e.kind is Kind.TOKEN)
     # The relayed events after the head, less the closing [DONE].
-    return max(0, head + max(ctx.stream_events - 1, 0))
+    return max(0, head + max(ctx.stream.events - 1, 0))
 
 
 class AdmissionControl:
@@ -146,15 +139,18 @@ class AdmissionControl:
         estimate = self.lengths.estimate(key, ceiling)
         demand = Demand.of(prompt_tokens, ceiling, estimate, priority)
         ctx.reserve_tokens = ReserveTokens(worst_tokens, demand)
-        ctx.admission = Ticket(self, demand, key)
+        ctx.admission = AdmissionTicket(self, demand, key)
 
     def saturation(
-        self, replica_id: str, load: EngineLoad, now: float, need_tokens: int
+        self, replica_id: str, load: EngineLoad, now: float, need_tokens: int, in_flight: int
     ) -> str | None:
         """None when the replica may take the request, else why not. A plain int (no
         demand attached: the admin view, a probe) is judged as a request of that many
-        tokens with no estimate."""
+        tokens with no estimate. `in_flight`: the ledger's count of attempts open there
+        (fewer than this gateway has bound means some were released)."""
         r = self._replica(replica_id)
+        if len(r.bound) > in_flight:
+            self._purge(replica_id, r, now)
         self._observe(replica_id, r, load, now)
         decision = r.controller.decide(_demand_of(need_tokens), r.reserved, load, now)
         if isinstance(decision, Admit):
@@ -201,22 +197,42 @@ class AdmissionControl:
             level = r.controller.effective_level(load, now)
             self.metrics.admission_reserve_level.labels(replica_id, cause).set(level)
 
-    def _bind(self, ticket: Ticket, replica_id: str) -> None:
-        if replica_id in ticket.bound:
-            return
+    def _bind(self, ticket: AdmissionTicket, replica_id: str, hold: LedgerHold) -> None:
         r = self._replica(replica_id)
-        ticket.bound[replica_id] = r.block_size
+        held = ticket.bound.get(replica_id)
+        if held is not None:  # the same replica again (a migration back): keep one reservation
+            ticket.bound[replica_id] = (hold, held[1])
+            return
+        ticket.bound[replica_id] = (hold, r.block_size)
+        r.bound.add(ticket)
         r.reserved = r.reserved.add(ticket.demand, r.block_size)
 
-    def _release(self, ticket: Ticket, replica_id: str, tokens: int | None, now: float) -> None:
-        block = ticket.bound.pop(replica_id, None)
-        if block is None:
+    def _unbind(self, ticket: AdmissionTicket, replica_id: str, now: float) -> None:
+        held = ticket.bound.pop(replica_id, None)
+        r = self._replicas.get(replica_id)
+        if held is None or r is None:
             return
-        r = self._replica(replica_id)
-        r.reserved = r.reserved.remove(ticket.demand, block)
+        r.bound.discard(ticket)
+        r.reserved = r.reserved.remove(ticket.demand, held[1])
         r.controller.completed(now)
-        if tokens is not None:
-            self.lengths.observe(ticket.key, ticket.demand.max_tokens, tokens)
+
+    def _purge(self, replica_id: str, r: _Replica, now: float) -> None:
+        for ticket in [t for t in r.bound if t.bound[replica_id][0].released]:
+            self._unbind(ticket, replica_id, now)
+
+    def finish(self, ctx: RequestCtx, now: float) -> None:
+        """The request ended (every hold of it released): give back what it still reserves,
+        and learn its length if it completed (status 200, no error, not migrated)."""
+        ticket = ctx.admission
+        if not isinstance(ticket, AdmissionTicket):
+            return
+        ctx.admission = None  # once
+        for replica_id in list(ticket.bound):
+            self._unbind(ticket, replica_id, now)
+        if ctx.status == 200 and not ctx.error and not ctx.stream.migrations:
+            tokens = completion_tokens(ctx)
+            if tokens is not None:
+                self.lengths.observe(ticket.key, ticket.demand.max_tokens, tokens)
 
     def forget(self, replica_id: str) -> None:
         """The replica left the fleet."""
@@ -259,6 +275,8 @@ class AdmissionControl:
             "limit_kv_blocks": None if s.limit_blocks is None else round(s.limit_blocks, 1),
             "reserved_kv_blocks": round(s.reserved_blocks, 1),
             "requests": r.reserved.requests,
+            "expected_kv_blocks": r.reserved.expected_blocks,
+            "worst_kv_blocks": r.reserved.worst_blocks,
             "preemptions_per_s": round(s.preemption_rate_per_s, 3),
             "completions_per_s": round(s.completions_per_s, 3),
             "metrics_age_s": None if s.metrics_age_s is None else round(s.metrics_age_s, 2),

@@ -126,7 +126,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from seawall.fleet.view import EngineLoad
+from seawall.policy.load import EngineLoad
 
 # ----------------------------------------------------------------------------- config
 
