@@ -52,13 +52,14 @@ What it takes from proven systems (read in their sources):
   (a lower tier yields before a higher one, as Netflix's partitions, but never to zero).
 
 The model. A request reserves prompt + an expected output length, learned per
-model/tier/tenant (`OutputLengths`: decayed mean and spread of observed completion
-tokens). One number per replica, the reserve level r in [min_reserve, 1], moves its
-reservations between bets:
+model/tier/tenant and max_tokens class (`OutputLengths`: decayed mean and spread of
+observed completion tokens; worst case until a key has `min_samples`). One number per
+replica, the reserve level r in [min_reserve, 1], moves its reservations between bets:
 
     r = 1     prompt + max_tokens             worst case: never preempts (today's rule)
     r = 0     prompt + expected               the learned mean
     r < 0     prompt + expected - |r| spread  overcommit, only as far as lengths vary
+                                              (off by default: min_reserve = 0)
 
 Why the mean and not a high quantile: the cache is shared by N requests, and what must
 fit is their sum, whose spread grows as sqrt(N) while a per-request p90 over-reserves by
@@ -123,7 +124,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from seawall.policy.load import EngineLoad
@@ -662,8 +663,3 @@ def _level_covering(reserved: Reservations, used_blocks: float) -> float:
     if span <= 0:
         return 1.0
     return min(1.0, (used_blocks - reserved.expected_blocks) / span)
-
-
-def with_level(controller: ReplicaAdmission, level: float) -> ReplicaAdmission:
-    """A copy at another level (for what-if displays and tests)."""
-    return replace(controller, level=level)
