@@ -73,8 +73,8 @@ exactly the worst case at every r, so a full-length workload is never overcommit
 Feedback, on each new scrape:
 - preemptions: their rate (decayed over `preemption_window_s`) over
   `preemption_budget_per_s` moves r `tighten_step` of the way to 1, at most once per
-  `tighten_interval_s` (the preemptions right after a step were caused before it); any
-  preemption at all stops loosening for `calm_s`.
+  `tighten_interval_s` (the preemptions right after a step were caused before it); past
+  half the budget they stop loosening for `calm_s` (under it they are the normal few).
 - outgrown: with the cache (extrapolated `lookahead_s` by its trend) at `outgrown_at` or
   more, KV measured in use over `overrun_ratio` x what is reserved at r means the
   estimates are wrong (a shift to longer outputs, a heavy tail, another gateway's
@@ -322,11 +322,7 @@ class Reservations:
 
     def blocks_at(self, reserve: float) -> float:
         """Blocks reserved at a reserve level: linear between the exact endpoints."""
-        if reserve >= 0:
-            r = min(reserve, 1.0)
-            return self.expected_blocks + r * (self.worst_blocks - self.expected_blocks)
-        r = max(reserve, -1.0)
-        return self.expected_blocks + r * (self.expected_blocks - self.low_blocks)
+        return _at(reserve, self.worst_blocks, self.expected_blocks, self.low_blocks)
 
     def top_priority(self) -> int | None:
         return next((p for p, n in enumerate(self.by_priority) if n > 0), None)
@@ -460,7 +456,9 @@ class ReplicaAdmission:
         capacity = _capacity_blocks(load)
         kv = cur.kv_usage
         near_full = kv is not None and kv >= cfg.kv_high
-        if preempted > 0:
+        if preempted > 0 and self._preempt_rate > cfg.preemption_budget_per_s / 2:
+            # Past half the budget, preemptions stop loosening; under it they are the normal
+            # few, and holding the level for each one would only ratchet it up.
             self._pressure_at = now
         if preempted > 0 and self._preempt_rate > cfg.preemption_budget_per_s:
             self._toward_worst(now)
@@ -578,10 +576,11 @@ class ReplicaAdmission:
         if age > cfg.metrics_max_age_s:
             return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now))
         capacity = _capacity_blocks(load)
-        block = load.kv_block_size or 16
-        with_it = reserved.add(demand, block)
         level = self.effective_level(load, now)
-        wanted = with_it.blocks_at(level)
+        # The request's own blocks added to the sums (no new Reservations: this runs for
+        # every candidate replica of every request).
+        worst, expected, low = demand.blocks(load.kv_block_size or 16)
+        wanted = reserved.blocks_at(level) + _at(level, worst, expected, low)
         if capacity is None:
             return Admit(wanted, math.inf)
         top = reserved.top_priority()
@@ -608,7 +607,7 @@ class ReplicaAdmission:
             high = cfg.kv_high - cfg.tier_step * yields
             if predicted >= high:
                 used_per_request = kv * capacity / max(load.running or reserved.requests, 1)
-                over_blocks = (predicted - high) * capacity + demand.blocks(block)[2]
+                over_blocks = (predicted - high) * capacity + low
                 return Hold(
                     HoldKind.near_full,
                     f"kv cache {kv:.0%} used, heading for {predicted:.0%}: at or over the "
@@ -649,6 +648,12 @@ class ReplicaAdmission:
             completions_per_s=self.completions_per_s(now),
             metrics_age_s=(now - load.scraped_at) if load is not None else None,
         )
+
+
+def _at(reserve: float, worst: float, expected: float, low: float) -> float:
+    if reserve >= 0:
+        return expected + min(reserve, 1.0) * (worst - expected)
+    return expected + max(reserve, -1.0) * (expected - low)
 
 
 def _capacity_blocks(load: EngineLoad | None) -> float | None:
