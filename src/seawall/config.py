@@ -185,6 +185,7 @@ class AdaptiveAdmissionConfig(_Strict):
     kv_high: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.kv_high
     tier_step: Annotated[float, Field(ge=0, lt=1)] = _ADAPTIVE.tier_step
     min_reserve: Annotated[float, Field(ge=-1, le=1)] = _ADAPTIVE.min_reserve
+    spread_z: Annotated[float, Field(ge=0)] = _ADAPTIVE.spread_z
     preemption_budget_per_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_budget_per_s
     preemption_window_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_window_s
     tighten_step: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.tighten_step
@@ -196,7 +197,7 @@ class AdaptiveAdmissionConfig(_Strict):
     progress_floor: Annotated[float, Field(ge=0, le=1)] = _ADAPTIVE.progress_floor
     fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
     lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
-    length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.1  # weight of each new completion
+    length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.05  # weight of each new completion
     length_min_samples: Annotated[int, Field(ge=1)] = 3  # before a key's estimate is used
 
     def control(self, metrics_max_age_s: float) -> ControlConfig:

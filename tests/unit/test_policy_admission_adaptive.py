@@ -2,7 +2,8 @@
 
 Replica used throughout: 200 KV blocks of 16 tokens (199 usable, 3,184 tokens), requests of
 100 prompt tokens and max_tokens 1,000 (69 blocks at full length: 2 fit), with outputs that
-stop at EOS after ~315 tokens on average (27 blocks: 7 fit).
+stop at EOS after ~315 tokens on average, spread 300 (26 blocks: 7 fit by the means, 6 with
+half a standard deviation of their sum on top, the default `spread_z`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def test_no_estimate_means_worst_case_and_estimates_never_pass_max_tokens() -> N
 
 def test_admits_on_what_requests_will_probably_use_not_their_worst_case() -> None:
     c = ReplicaAdmission(ControlConfig())
-    assert fill(c, eos(), at=10.0) == 7  # 7 x 27 blocks fit in 199
+    assert fill(c, eos(), at=10.0) == 6  # 6 x 26 + 0.5 x sqrt(6) x 18.75 = 179 of 199
+    assert fill(ReplicaAdmission(ControlConfig(spread_z=0.0)), eos(), at=10.0) == 7  # means only
     assert fill(c, eos(estimate=None), at=10.0) == 2  # cold start: 2 x 69, as today's rule
     worst = ReplicaAdmission(ControlConfig(), level=1.0)
     assert fill(worst, eos(), at=10.0) == 2  # level 1 is today's rule exactly
@@ -142,15 +144,15 @@ def test_a_rising_cache_is_judged_where_it_will_be() -> None:
     """Requests that outgrew their estimates push usage up between scrapes; the trend
     extrapolated over the scrape's age stops admission before the gauge reads full."""
     c = ReplicaAdmission(ControlConfig())
-    six = holding(*[eos()] * 6)  # 162 blocks reserved: a seventh (27) still fits in 199
+    five = holding(*[eos()] * 5)  # by reservations a sixth still fits
     for i, kv in enumerate((0.60, 0.70, 0.80, 0.90)):  # +0.5 per second, scrapes 0.2 s apart
-        c.observe(load(i * 0.2, kv=kv), six, i * 0.2)
-    held = c.decide(eos(), six, load(0.6, kv=0.90), 0.6)
+        c.observe(load(i * 0.2, kv=kv), five, i * 0.2)
+    held = c.decide(eos(), five, load(0.6, kv=0.90), 0.6)
     assert isinstance(held, Hold) and held.kind is HoldKind.near_full
     flat = ReplicaAdmission(ControlConfig())
     for i in range(4):
-        flat.observe(load(i * 0.2, kv=0.90), six, i * 0.2)
-    assert isinstance(flat.decide(eos(), six, load(0.6, kv=0.90), 0.6), Admit)
+        flat.observe(load(i * 0.2, kv=0.90), five, i * 0.2)
+    assert isinstance(flat.decide(eos(), five, load(0.6, kv=0.90), 0.6), Admit)
 
 
 def test_stale_metrics_fail_closed_and_ageing_metrics_drift_to_worst_case() -> None:
@@ -171,7 +173,7 @@ def test_stale_metrics_fail_closed_and_ageing_metrics_drift_to_worst_case() -> N
             reserved = reserved.add(eos(), 16)
         return 20
 
-    assert admitted(101.0) == 7 and admitted(104.9) == 2  # no news: today's exact rule
+    assert admitted(101.0) == 6 and admitted(104.9) == 2  # no news: today's exact rule
 
 
 def test_lower_tiers_are_refused_first_and_no_tier_is_starved() -> None:
@@ -186,7 +188,7 @@ def test_lower_tiers_are_refused_first_and_no_tier_is_starved() -> None:
     only_top = holding(eos(0), eos(0), eos(0))
     assert isinstance(c.decide(eos(1), only_top, at, 1.0), Admit)
     # Alone (no higher tier in flight), a lower tier uses the whole cache.
-    assert fill(c, eos(3), at=1.0) == 7
+    assert fill(c, eos(3), at=1.0) == 6
 
 
 def test_a_leader_quota_scales_the_limit() -> None:
@@ -293,7 +295,7 @@ def test_a_counter_reset_is_not_a_preemption_storm() -> None:
 
 def test_retry_after_is_when_the_request_would_fit_at_the_observed_completion_rate() -> None:
     c = ReplicaAdmission(ControlConfig(completion_window_s=10.0))
-    full = holding(*[eos()] * 7)
+    full = holding(*[eos()] * 6)
     first = c.decide(eos(), full, load(0.0), 0.0)
     assert isinstance(first, Hold) and first.retry_after_s is None  # nothing completed yet
     # One completion every 2 s for a while: 0.5 per second.
@@ -306,7 +308,7 @@ def test_retry_after_is_when_the_request_would_fit_at_the_observed_completion_ra
     assert held.retry_after_s is not None and held.retry_after_s == float(int(held.retry_after_s))
     # Truthful: after Retry-After seconds of completions at that rate, the request fits.
     finished = math.floor(held.retry_after_s * c.completions_per_s(t))
-    left = holding(*[eos()] * (7 - finished))
+    left = holding(*[eos()] * (6 - finished))
     assert isinstance(c.decide(eos(), left, load(t), t), Admit)
     # And not a constant: a fuller replica asks for a longer wait.
     fuller = c.decide(eos(), holding(*[eos()] * 11), load(t), t)

@@ -64,9 +64,12 @@ replica, the reserve level r in [min_reserve, 1], moves its reservations between
 Why the mean and not a high quantile: the cache is shared by N requests, and what must
 fit is their sum, whose spread grows as sqrt(N) while a per-request p90 over-reserves by
 N x (p90 - mean) (for EOS-sampled lengths a p90 reservation held 3 of the 7 requests the
-cache takes on average). Heavy tails (a few long generations among short chats) make the
-mean too low for the requests actually in flight (long ones stay longer); the feedback
-below catches that from the engine. With lengths that never vary (`ignore_eos`, or every
+cache takes on average). So each request reserves its mean, and the replica adds
+`spread_z` standard deviations of the sum (sqrt of the summed variances) on top: with
+the cache packed to the sum of means alone, it overflows about half the time. Heavy tails
+(a few long generations among short chats) make the mean too low for the requests
+actually in flight (long ones stay longer); the feedback below catches that from the
+engine. With lengths that never vary (`ignore_eos`, or every
 request hitting `max_tokens`) expected = max_tokens and spread = 0: the reservation is
 exactly the worst case at every r, so a full-length workload is never overcommitted.
 
@@ -138,6 +141,7 @@ class ControlConfig:
     kv_high: float = 0.95  # measured usage at which the top tier stops being admitted
     tier_step: float = 0.05  # each lower tier in flight yields this share
     min_reserve: float = 0.0  # the loosest level; below 0 overcommits by the spread
+    spread_z: float = 0.5  # standard deviations of the sum of lengths reserved on top
     # Half the storm alert's rate(vllm:num_preemptions_total[5m]) > 0.5.
     preemption_budget_per_s: float = 0.25
     preemption_window_s: float = 15.0
@@ -203,7 +207,7 @@ class OutputLengths:
     fast as its completions arrive. Keys are bounded (`max_keys`, least recently seen
     dropped); tenants come from the configuration, so the bound is rarely reached."""
 
-    def __init__(self, alpha: float = 0.1, min_samples: int = 3, max_keys: int = 4096):
+    def __init__(self, alpha: float = 0.05, min_samples: int = 3, max_keys: int = 4096):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
@@ -274,6 +278,10 @@ class Demand:
         expected = min(float(top), max(estimate.expected_tokens, 0.0))
         return Demand(prompt_tokens, top, expected, min(expected, estimate.spread_tokens), priority)
 
+    def variance(self, block_size: int) -> int:
+        """The spread squared, in blocks squared (hundredths: integer sums stay exact)."""
+        return round((self.spread_tokens / max(block_size, 1)) ** 2 * 100)
+
     def blocks(self, block_size: int) -> tuple[int, int, int]:
         """Whole blocks (as the engine allocates) at the reserve levels 1, 0 and -1."""
         b = max(block_size, 1)
@@ -292,13 +300,14 @@ class Demand:
 @dataclass(frozen=True, slots=True)
 class Reservations:
     """The sums for one replica: everything `decide` needs, and nothing per request, so a
-    shared store can hold them (five counters and a small per-priority count)."""
+    shared store can hold them (five integer counters and a small per-priority count)."""
 
     requests: int = 0
     worst_blocks: int = 0  # at reserve level 1
     expected_blocks: int = 0  # at 0
     low_blocks: int = 0  # at -1
     by_priority: tuple[int, ...] = ()  # requests in flight per priority 0, 1, ...
+    variance: int = 0  # sum of the spreads squared, hundredths of blocks squared
 
     def add(self, d: Demand, block_size: int, sign: int = 1) -> Reservations:
         worst, expected, low = d.blocks(block_size)
@@ -315,6 +324,7 @@ class Reservations:
             max(0, self.expected_blocks + sign * expected),
             max(0, self.low_blocks + sign * low),
             tuple(counts),
+            max(0, self.variance + sign * d.variance(block_size)),
         )
 
     def remove(self, d: Demand, block_size: int) -> Reservations:
@@ -323,6 +333,12 @@ class Reservations:
     def blocks_at(self, reserve: float) -> float:
         """Blocks reserved at a reserve level: linear between the exact endpoints."""
         return _at(reserve, self.worst_blocks, self.expected_blocks, self.low_blocks)
+
+    def total_at(self, reserve: float, spread_z: float) -> float:
+        """`blocks_at` plus `spread_z` standard deviations of the sum of the lengths in
+        flight (sqrt of the summed variances), fading to none at the worst case, where
+        nothing is left to chance."""
+        return self.blocks_at(reserve) + _margin(reserve, spread_z, self.variance)
 
     def top_priority(self) -> int | None:
         return next((p for p, n in enumerate(self.by_priority) if n > 0), None)
@@ -491,7 +507,7 @@ class ReplicaAdmission:
             used = heading * capacity
             # An overcommit (r < 0) is a bet whose cost the preemption budget judges; what is
             # "outgrown" is usage past the learned estimates themselves.
-            covered = reserved.blocks_at(max(self.level, 0.0))
+            covered = reserved.total_at(max(self.level, 0.0), cfg.spread_z)
             if heading >= cfg.outgrown_at and used > covered * cfg.overrun_ratio:
                 self.level = max(self.level, _level_covering(reserved, used))
                 self._pressure_at = now
@@ -579,8 +595,13 @@ class ReplicaAdmission:
         level = self.effective_level(load, now)
         # The request's own blocks added to the sums (no new Reservations: this runs for
         # every candidate replica of every request).
-        worst, expected, low = demand.blocks(load.kv_block_size or 16)
-        wanted = reserved.blocks_at(level) + _at(level, worst, expected, low)
+        block = load.kv_block_size or 16
+        worst, expected, low = demand.blocks(block)
+        wanted = (
+            reserved.blocks_at(level)
+            + _at(level, worst, expected, low)
+            + _margin(level, cfg.spread_z, reserved.variance + demand.variance(block))
+        )
         if capacity is None:
             return Admit(wanted, math.inf)
         top = reserved.top_priority()
@@ -593,13 +614,27 @@ class ReplicaAdmission:
             return Admit(wanted, limit)  # alone: the engine queues what does not fit
         if wanted > limit:
             self._refused_at = now
-            over = wanted - limit
-            mean = reserved.blocks_at(level) / reserved.requests
+            # How many of those in flight (of average size) must finish for this one to fit.
+            n = reserved.requests
+            own = _at(level, worst, expected, low)
+            own_var = demand.variance(block)
+            base, var = reserved.blocks_at(level), reserved.variance
+            k = next(
+                (
+                    k
+                    for k in range(1, n + 1)
+                    if base * (n - k) / n
+                    + own
+                    + _margin(level, cfg.spread_z, var * (n - k) / n + own_var)
+                    <= limit
+                ),
+                n,
+            )
             return Hold(
                 HoldKind.reserved,
                 f"{wanted:.0f} KV blocks would be reserved at reserve level {level:+.2f}, "
                 f"over the {limit:.0f} this replica gives priority {p}",
-                self._retry_after(over / mean if mean > 0 else 1.0, reserved, now),
+                self._retry_after(k, reserved, now),
             )
         kv = load.kv_usage
         if kv is not None:
@@ -641,13 +676,17 @@ class ReplicaAdmission:
             cause=self.cause,
             why=self.why,
             limit_blocks=limit,
-            reserved_blocks=reserved.blocks_at(level),
+            reserved_blocks=reserved.total_at(level, cfg.spread_z),
             capacity_blocks=capacity,
             kv_usage=load.kv_usage if load is not None else None,
             preemption_rate_per_s=self._preempt_rate,
             completions_per_s=self.completions_per_s(now),
             metrics_age_s=(now - load.scraped_at) if load is not None else None,
         )
+
+
+def _margin(reserve: float, spread_z: float, variance: float) -> float:
+    return spread_z * math.sqrt(variance / 100) * (1.0 - min(max(reserve, 0.0), 1.0))
 
 
 def _at(reserve: float, worst: float, expected: float, low: float) -> float:
