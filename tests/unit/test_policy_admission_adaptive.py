@@ -79,7 +79,7 @@ def fill(c: ReplicaAdmission, demand: Demand, at: float, kv: float = 0.3) -> int
 
 
 def test_lengths_are_learned_per_key_and_max_tokens_class() -> None:
-    lengths = OutputLengths(alpha=0.1, min_samples=3)
+    lengths = OutputLengths(alpha=0.1, min_samples=3, prior_samples=0)
     assert lengths.estimate(KEY, 1000) is None  # nothing seen: the caller reserves worst case
     for n in (300, 320, 340):
         lengths.observe(KEY, 1000, n)
@@ -97,8 +97,22 @@ def test_lengths_are_learned_per_key_and_max_tokens_class() -> None:
     assert lengths.estimate(("m", "default", "newcomer"), 100) is None  # no class <=128 yet
 
 
+def test_the_first_completions_are_trusted_gradually() -> None:
+    """The first to finish are the shortest (the long ones are still running): the mean is
+    shrunk toward max_tokens until enough completions are in."""
+    lengths = OutputLengths(min_samples=3, prior_samples=5)
+    for n in (100, 120, 140):
+        lengths.observe(KEY, 1000, n)
+    early = lengths.estimate(KEY, 1000)
+    assert early is not None and early.expected_tokens == pytest.approx(120 + 5 / 8 * 880)
+    for _ in range(97):
+        lengths.observe(KEY, 1000, 120)
+    late = lengths.estimate(KEY, 1000)
+    assert late is not None and late.expected_tokens < 120 + 0.05 * 880
+
+
 def test_learned_length_follows_a_shift_within_a_few_dozen_completions() -> None:
-    lengths = OutputLengths(alpha=0.1)
+    lengths = OutputLengths(alpha=0.1, prior_samples=0)
     for _ in range(50):
         lengths.observe(KEY, 1000, 40)
     for _ in range(20):

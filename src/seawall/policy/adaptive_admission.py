@@ -207,11 +207,18 @@ class OutputLengths:
     fast as its completions arrive. Keys are bounded (`max_keys`, least recently seen
     dropped); tenants come from the configuration, so the bound is rarely reached."""
 
-    def __init__(self, alpha: float = 0.05, min_samples: int = 3, max_keys: int = 4096):
+    def __init__(
+        self,
+        alpha: float = 0.05,
+        min_samples: int = 3,
+        max_keys: int = 4096,
+        prior_samples: float = 5.0,
+    ):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
         self.min_samples = min_samples
+        self.prior_samples = prior_samples
         self.max_keys = max_keys
         self._stats: OrderedDict[tuple[str, ...], _Moments] = OrderedDict()
 
@@ -247,10 +254,16 @@ class OutputLengths:
         }
 
     def estimate(self, key: Key, max_tokens: int) -> LengthEstimate | None:
+        """The expected length of a request of this key with this `max_tokens`. The first
+        completions of a key are its shortest ones (the long ones are still running), so
+        the mean is shrunk toward `max_tokens` as if `prior_samples` requests had run to
+        it: halfway after as many real ones, 5% after twenty times as many."""
         for k in self._chain(key, max_tokens):
             m = self._stats.get(k)
             if m is not None and m.count >= self.min_samples:
-                return LengthEstimate(m.mean, math.sqrt(m.var), m.count)
+                w = self.prior_samples / (m.count + self.prior_samples)
+                mean = m.mean + max(0.0, max_tokens - m.mean) * w
+                return LengthEstimate(mean, math.sqrt(m.var), m.count)
         return None
 
 
