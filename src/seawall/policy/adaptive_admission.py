@@ -212,7 +212,7 @@ class OutputLengths:
         alpha: float = 0.05,
         min_samples: int = 3,
         max_keys: int = 4096,
-        prior_samples: float = 5.0,
+        prior_samples: float = 2.0,
     ):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
