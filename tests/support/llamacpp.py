@@ -97,14 +97,14 @@ class LlamaServer:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
             return json.loads(r.read())
 
-    def post_json(self, path: str, body: dict[str, Any]) -> Any:
+    def post_json(self, path: str, body: dict[str, Any], timeout: float = 10.0) -> Any:
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
     def metrics(self) -> dict[str, float]:
