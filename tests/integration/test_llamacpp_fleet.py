@@ -192,8 +192,13 @@ def test_migration_onto_a_full_llamacpp_replica_fails_fast(fleet: Fleet) -> None
     continuation, and the client's stream stalled for the whole TTFT timeout before an
     `upstream_reset`. Migrate only where there is room, or fail at once."""
     ttft_s = 12.0
-    fleet.start(2, {"tiers": {"default": {"migrate": True}}, "timeouts": {"ttft_s": ttft_s}})
-    busy_tokens = tokens_lasting(fleet.servers[0], 3 * ttft_s, concurrency=4)
+    fleet.start(
+        2,
+        {"tiers": {"default": {"migrate": True}}, "timeouts": {"ttft_s": ttft_s}},
+        ctx_per_slot=8192,
+    )
+    # The full replica's requests outlast the TTFT timeout: no slot frees in between.
+    busy_tokens = tokens_lasting(fleet.servers[0], 2 * ttft_s, concurrency=4)
     wait_until(lambda: fleet.ready("l0") and fleet.ready("l1"), 20, what="both replicas ready")
 
     outcome = in_background(fleet.client, 1, 2000)[0]

@@ -67,9 +67,10 @@ class LlamaServer:
     """One llama-server process. `stop()` is idempotent and resumes a stopped process
     first, so a test that SIGSTOPs it cannot leave it behind."""
 
-    def __init__(self, proc: Proc, slots: int) -> None:
+    def __init__(self, proc: Proc, slots: int, ctx_per_slot: int) -> None:
         self.proc = proc
         self.slots = slots
+        self.ctx_per_slot = ctx_per_slot
 
     @property
     def url(self) -> str:
@@ -163,7 +164,8 @@ def start_llama_server(
         "--no-warmup",
         *extra,
     ]
-    server = LlamaServer(spawn(argv, log_dir / f"{name}-{port}.log", port=port), slots)
+    proc = spawn(argv, log_dir / f"{name}-{port}.log", port=port)
+    server = LlamaServer(proc, slots, ctx_per_slot)
     if wait:
         # /health answers 503 while the model loads, 200 once slots are ready.
         wait_http(server.url + "/health", timeout=60, proc=server.proc)
@@ -317,4 +319,9 @@ def tokens_lasting(server: LlamaServer, seconds: float, concurrency: int) -> int
     for t in threads:
         t.join(60)
     per_token_s = max(times) / 64
-    return max(64, int(seconds / per_token_s))
+    wanted = int(seconds / per_token_s)
+    # A slot holds the prompt and every generated token; past that llama.cpp stops early.
+    room = server.ctx_per_slot - 256
+    if wanted > room:
+        pytest.fail(f"{seconds}s of tokens is {wanted}, more than a slot holds ({room})")
+    return max(64, wanted)

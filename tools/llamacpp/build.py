@@ -149,6 +149,7 @@ def build(python: str = sys.executable) -> Path:
             if len(wheels) != 1:
                 raise RuntimeError(f"expected one wheel in {tmp}, found {wheels}")
             staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root()))
+            staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable as ~/.cache is
             try:
                 _extract(wheels[0], staging)
                 (staging / "build.json").write_text(
