@@ -22,7 +22,7 @@ from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor, Observed, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Endpoint
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 
 pytestmark = pytest.mark.integration
 

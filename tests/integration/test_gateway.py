@@ -413,7 +413,12 @@ def test_a_slow_client_gets_the_whole_stream_without_the_gateway_buffering_it_al
             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        time.sleep(2.0)  # not reading: the engine finishes long before the client reads
+        # Not reading: the engine finishes long before the client reads.
+        wait_until(
+            lambda: metric_sum(scrape(sim.url), "vllm:request_success_total") >= 1,
+            30,
+            what="the engine to finish the whole answer",
+        )
         sock.settimeout(20)
         raw = b""
         while not raw.endswith(b"0\r\n\r\n"):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops import rules
 from seawall.ops.engines import ENGINE_NAMES, ENGINES, EngineNames
 from tests.support.procs import REPO, require_binary

@@ -46,10 +46,9 @@ from seawall.fleet.signals import (
     GatewaySignals,
     NoGatewaySignals,
     Observed,
-    ReplicaSetSignals,
 )
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 from seawall.policy import health
 from seawall.policy.health import Action, Event, State
 from seawall.policy.ledger import RestartRecord, should_cordon
@@ -75,7 +74,6 @@ _PROBED_STATES = frozenset({State.ready, State.degraded, State.draining})
 # Scrapes that found no /metrics (plain OpenAI servers) or an unknown engine are retried
 # this many intervals apart: the answer rarely changes and the deep probe decides anyway.
 _ABSENT_BACKOFF = 10
-_DRAIN_POLL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -726,10 +724,9 @@ class FleetMonitor:
     async def _drain(self, rep: _Replica) -> None:
         rid = rep.spec.replica_id
         deadline = clock.monotonic() + self.config.drain_timeout_s
-        while self.signals.streams_in_flight(rid) > 0 and clock.monotonic() < deadline:
-            await asyncio.sleep(_DRAIN_POLL_S)
+        left = await self.signals.wait_idle(rid, deadline)
         rep.action = None  # the restart that follows is the next action
-        self._fire(rep, Event.drained, f"{self.signals.streams_in_flight(rid)} streams left")
+        self._fire(rep, Event.drained, f"{left} requests left")
 
     async def _restart(self, rep: _Replica, reason: str, failure: bool) -> None:
         spec = rep.spec
@@ -883,6 +880,7 @@ class FleetMonitor:
             load=load,
             saturated=saturated,
             saturation_reason=f"{waiting:g} waiting in the engine" if saturated else "",
+            held=rep.held,
         )
 
     def _publish(self) -> None:
@@ -1030,7 +1028,6 @@ __all__ = [
     "GatewaySignals",
     "NoGatewaySignals",
     "Observed",
-    "ReplicaSetSignals",
     "ReplicaSpec",
     "TransitionRecord",
     "replica_specs",

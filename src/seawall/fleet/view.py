@@ -9,24 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seawall.policy.load import EngineLoad
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One scrape of an engine's /metrics, normalised across engines by an adapter.
-
-    Counters are cumulative as the engine reports them; rates are computed by whoever
-    holds two scrapes. A field the engine does not export is None, never a guess.
-    """
-
-    running: float | None = None
-    waiting: float | None = None
-    kv_usage: float | None = None  # 0..1
-    preemptions_total: float | None = None
-    generation_tokens_total: float | None = None
-    prompt_tokens_total: float | None = None
-    kv_capacity_tokens: float | None = None  # usable KV cache, in tokens (vLLM cache config)
-    kv_block_size: int | None = None  # tokens per KV block (vLLM cache config)
-    scraped_at: float = 0.0  # monotonic seconds
+__all__ = ["EngineLoad", "FleetSnapshot", "ReplicaView"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +29,7 @@ class ReplicaView:
     load: EngineLoad | None = None
     saturated: bool = False  # admission: no new work while true
     saturation_reason: str = ""
+    held: bool = False  # an operator holds it out of routing (drain without restart)
 
 
 @dataclass(frozen=True, slots=True)

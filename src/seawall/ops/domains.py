@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.engines import ENGINE_NAMES
 
 State = Mapping[str, Any]

@@ -2,7 +2,7 @@
 
 Owns the rule set (engine alerts per `--engine`, and the gateway's own alerts), the
 thresholds and windows operators may change (`AlertConfig`), and the YAML rendering.
-Gateway names come from `seawall.gateway.metrics`, engine names from `ops.engines`:
+Gateway names come from `seawall.metrics`, engine names from `ops.engines`:
 nothing here retypes a metric name, so a rename breaks a test instead of an alert.
 
 Must not do I/O: `seawall alerts` (ops/alerts_cli.py) writes the file.
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.engines import ENGINE_NAMES, EngineNames
 
 _DURATION = re.compile(r"^\d+(ms|s|m|h|d|w|y)$")

@@ -838,8 +838,10 @@ class SimServer:
         await runner.setup()
         site = web.TCPSite(runner, c.host, c.port, reuse_address=True, backlog=4096)
         await site.start()
+        server: Any = site._server  # the port bound (the one asked for, or any with 0)
+        port = int(server.sockets[0].getsockname()[1])
         print(
-            f"seawall sim: serving {c.model} on http://{c.host}:{c.port} "
+            f"seawall sim: serving {c.model} on http://{c.host}:{port} "
             f"(kv_blocks={c.kv_blocks}, block_size={c.block_size}, "
             f"max_model_len={c.max_model_len})",
             flush=True,

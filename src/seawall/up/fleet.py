@@ -238,8 +238,7 @@ class InProcessGateway:
         gateway closes its actuator too: the supervisor, i.e. the replicas."""
         try:
             if self.gateway is not None:
-                await self.gateway.drain()
-                await self.gateway.close()
+                await self.gateway.shutdown()
         finally:
             if self._session is not None:
                 await self._session.close()

@@ -20,7 +20,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from seawall.gateway.fastmetrics import FastHistogram
+from seawall.fastmetrics import FastHistogram
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
@@ -229,3 +229,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+    def record_shed(self, tenant: str, tier: str, reason: str, latency_s: float) -> None:
+        """A request refused at the door, and how long refusing it took."""
+        self.shed.labels(tenant, tier, reason).inc()
+        self.shed_latency.observe(latency_s)
