@@ -13,6 +13,7 @@ random model runs every request to `max_tokens`.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ import openai
 import pytest
 
 from tests.support.fleet import metric_sum, scrape, start_gateway
-from tests.support.procs import REPO, Proc, free_port, spawn, wait_http
+from tests.support.procs import REPO, Proc, bound_port, spawn, wait_http
 
 MODEL = "tiny-llama"  # the alias llama-server serves the tiny model under
 TOOLS = REPO / "tools" / "llamacpp"
@@ -127,6 +128,9 @@ class LlamaServer:
         return tokens
 
 
+_SEQ = itertools.count()
+
+
 def start_llama_server(
     log_dir: Path,
     model: Path,
@@ -134,11 +138,10 @@ def start_llama_server(
     name: str = "llama",
     slots: int = 4,
     ctx_per_slot: int = 4096,
-    port: int | None = None,
-    wait: bool = True,
 ) -> LlamaServer:
+    """A llama-server on 127.0.0.1, ready to serve. It binds port 0 and logs the port it
+    got (`llama_server: listening on http://127.0.0.1:PORT`), so no port is raced for."""
     binary = require_llama_server()
-    port = port or free_port()
     argv = [
         binary,
         "--model",
@@ -148,7 +151,7 @@ def start_llama_server(
         "--host",
         "127.0.0.1",
         "--port",
-        str(port),
+        "0",
         "--metrics",
         "--slots",
         "--parallel",
@@ -164,11 +167,15 @@ def start_llama_server(
         "--no-warmup",
         *extra,
     ]
-    proc = spawn(argv, log_dir / f"{name}-{port}.log", port=port)
+    proc = spawn(argv, log_dir / f"{name}-{next(_SEQ)}.log")
     server = LlamaServer(proc, slots, ctx_per_slot)
-    if wait:
+    try:
+        bound_port(proc, b"llama_server: listening")
         # /health answers 503 while the model loads, 200 once slots are ready.
-        wait_http(server.url + "/health", timeout=60, proc=server.proc)
+        wait_http(server.url + "/health", timeout=60, proc=proc)
+    except BaseException:
+        server.stop()
+        raise
     return server
 
 
