@@ -51,7 +51,7 @@ def require_llama_server() -> str:
         return str(build.binary_path())
     reason = (
         f"llama-server is not built ({build.binary_path()}); build it once with "
-        "`./dev llamacpp` (~15-25 min on 2 cores, cached outside the clone)"
+        "`./dev llamacpp` (~5-15 min on 2 cores, cached outside the clone)"
     )
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; .ci/run must build it")
