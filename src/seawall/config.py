@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from yarl import URL
 
+from seawall import envref
 from seawall.auth import is_key_hash
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.policy.admission import AdmissionThresholds
@@ -36,7 +37,10 @@ class _Strict(BaseModel):
 class ReplicaConfig(_Strict):
     url: str  # base URL, e.g. http://127.0.0.1:8001 (no trailing /v1)
     model: str | None = None  # served model name; None: discovered from GET /v1/models
-    node: str = "local"  # failure domain of the hardware (a machine, a GPU host)
+    # The hardware this replica shares with others (a machine, a GPU host): K restarts
+    # within the window on one node cordon it. None: the replica is its own failure
+    # domain, so one replica's failures never take another out of service.
+    node: str | None = None
     id: str | None = None  # stable name in metrics and logs; default "r<index>"
     engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
@@ -317,6 +321,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    data = envref.resolve_config(data, source, ConfigError)  # os.environ/NAME and ${NAME}
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:

@@ -99,8 +99,9 @@ class RecordingActuator:
     cordons: list[Evidence] = field(default_factory=list)
     uncordons: list[str] = field(default_factory=list)
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
         self.restarts.append((replica.replica_id, reason))
+        return True
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         return None

@@ -324,7 +324,7 @@ def test_unknown_model_and_no_usable_replica(artifacts: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     gw = start_gateway(artifacts, [dead], {"replicas": []}, wait_ready=False)
     with running(gw):
-        assert httpx.get(gw.url + "/readyz").status_code == 503
+        assert httpx.get(gw.url + "/readyz?fleet=1").status_code == 503
         r = httpx.post(gw.url + "/v1/completions", json=COMPLETION)
         assert r.status_code == 404  # no replica has ever said it serves this model
     sim = start_sim(artifacts)

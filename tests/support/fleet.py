@@ -88,7 +88,7 @@ def start_gateway(
         bound_port(proc, b"seawall gateway listening")
         wait_http(f"{proc.url}/healthz", timeout=20, proc=proc)
         if wait_ready:
-            wait_http(f"{proc.url}/readyz", timeout=20, proc=proc)
+            wait_http(f"{proc.url}/readyz?fleet=1", timeout=20, proc=proc)
     except BaseException:
         proc.stop()  # a gateway that did not come up is not left behind
         raise

@@ -49,10 +49,12 @@ class _Conn:
 
 class ScriptedUpstream:
     """Per replica, a queue of behaviours: an `Attempt` outcome to fail with, "ok", or
-    an `asyncio.Event` to wait on before answering ok."""
+    an `asyncio.Event` to wait on before answering ok. With `by_call`, behaviours are
+    taken in call order instead, whichever replica the dispatcher chose."""
 
-    def __init__(self, scripts: dict[str, list[object]]) -> None:
+    def __init__(self, scripts: dict[str, list[object]], by_call: list[object] | None = None):
         self.scripts = scripts
+        self.by_call = by_call
         self.calls: list[str] = []
 
     async def open(
@@ -66,7 +68,7 @@ class ScriptedUpstream:
         timeout_outcome: Attempt,
     ) -> Opened:
         self.calls.append(replica.id)
-        step = self.scripts[replica.id].pop(0)
+        step = self.by_call.pop(0) if self.by_call is not None else self.scripts[replica.id].pop(0)
         if isinstance(step, asyncio.Event):
             await step.wait()
             step = "ok"
@@ -94,12 +96,13 @@ def setup(
     budget: RetryBudget | None = None,
     hedge: HedgePolicy | None = None,
     max_attempts: int = 3,
+    by_call: list[object] | None = None,
 ) -> tuple[Dispatcher, ScriptedUpstream, InFlight, Metrics]:
     ledger = InFlight()
     replicas = ReplicaSet(ledger)
     for rid in scripts:
         replicas.add(Replica(rid, f"http://127.0.0.1:1/{rid}", "m", rid))
-    upstream = ScriptedUpstream(scripts)
+    upstream = ScriptedUpstream(scripts, by_call)
     metrics = Metrics(process=False)
     d = Dispatcher(
         replicas=replicas,
@@ -131,17 +134,18 @@ def attempts(metrics: Metrics, outcome: Attempt) -> float:
 
 async def test_a_refused_connection_is_retried_without_spending_the_budget() -> None:
     empty = RetryBudget(ratio=0.1, min_per_s=0.0, now=clock.monotonic())
-    d, up, ledger, m = setup(
-        {"a": [Attempt.connect_error], "b": [Attempt.connect_error], "c": ["ok"]}, budget=empty
-    )
+    # The first two attempts are refused, wherever they go; the third answers.
+    refused = [Attempt.connect_error, Attempt.connect_error, "ok"]
+    d, up, ledger, m = setup({"a": [], "b": [], "c": []}, budget=empty, by_call=refused)
     opened = await d.open(ctx(), b"{}")
-    assert opened.replica.id == "c" and len(up.calls) == 3
+    assert len(up.calls) == len(set(up.calls)) == 3 and opened.replica.id == up.calls[2]
     assert attempts(m, Attempt.connect_error) == 2
     # The refused replicas left routing at once, before any monitor probe.
     now = clock.monotonic()
-    assert d.replicas.get("a").ejected_until > now  # type: ignore[union-attr]
+    for rid in up.calls[:2]:
+        assert d.replicas.get(rid).ejected_until > now  # type: ignore[union-attr]
     opened.close()
-    assert ledger.counts("a").requests == ledger.counts("c").requests == 0
+    assert all(ledger.counts(r).requests == 0 for r in "abc")
 
 
 async def test_a_real_retry_spends_the_budget_and_an_empty_budget_says_so() -> None:

@@ -27,9 +27,13 @@ class Observed:
 class GatewaySignals(Protocol):
     """The gateway's own view of each replica; the monitor only reads it."""
 
-    def requests_in_flight(self, replica_id: str) -> int: ...
+    def requests_in_flight(self, replica_id: str) -> int:
+        """Every request on the replica now, streamed or not."""
+        ...
 
-    def streams_in_flight(self, replica_id: str) -> int: ...
+    def streams_in_flight(self, replica_id: str) -> int:
+        """Streaming responses being relayed from the replica now."""
+        ...
 
     async def wait_idle(self, replica_id: str, deadline: float) -> int:
         """Until nothing is in flight on the replica (streamed or not), or the monotonic

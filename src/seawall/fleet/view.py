@@ -21,18 +21,21 @@ class ReplicaView:
     replica_id: str
     url: str
     model: str
-    node: str
+    node: str  # the failure domain: the node, or `replica:<id>` for a replica without one
     routable: bool = True  # ready, not draining, not cordoned, not stuck
     state: str = "ready"
     reason: str = ""
-    score: float = 1.0  # health score in (0, 1]; routing divides load by it
+    score: float = 1.0  # routing score in (0, 1]: health score x the state's weight
     load: EngineLoad | None = None
     saturated: bool = False  # admission: no new work while true
     saturation_reason: str = ""
     held: bool = False  # an operator holds it out of routing (drain without restart)
+    health_score: float | None = None  # the health score alone; None before the first
+    score_parts: tuple[tuple[str, float], ...] = ()  # its factors, for the metrics
 
 
 @dataclass(frozen=True, slots=True)
 class FleetSnapshot:
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
     taken_at: float = 0.0
+    cordoned: frozenset[str] = frozenset()  # failure domains out of service

@@ -51,6 +51,7 @@ from seawall.gateway.tenancy import Tenancy, warn_if_open
 from seawall.gateway.upstream import H1Upstream
 from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
+from seawall.policy.ledger import failure_domain
 from seawall.policy.retry_budget import RetryBudget
 from seawall.state.backends import open_limits_backend
 
@@ -66,9 +67,7 @@ def _json(status: int, obj: Any) -> web.Response:
 
 
 def _error(e: ApiError) -> web.Response:
-    return web.Response(
-        body=e.json_bytes(), status=e.status, content_type="application/json", headers=e.headers
-    )
+    return web.Response(body=e.json_bytes(), status=e.status, headers=e.response_headers())
 
 
 class Gateway:
@@ -198,6 +197,7 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
+        self._seed_metrics()
 
     # -- wiring callbacks ---------------------------------------------------------------
 
@@ -236,7 +236,7 @@ class Gateway:
         replica_id: str,
         url: str,
         model: str | None,
-        node: str = "local",
+        node: str | None = None,
         api_key: str | None = None,
         engine: str = "auto",
     ) -> Replica:
@@ -333,6 +333,11 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        # Answered by the gateway itself, for tools that expect an engine's or a router's
+        # routes: guidellm refuses a target whose GET /health is 404.
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_route("*", "/ping", self._ping)
         app.router.add_get("/metrics", self._metrics)
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_route("GET", path, method_not_allowed)
@@ -355,13 +360,44 @@ class Gateway:
         return _json(200, {"status": "ok"})
 
     async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness is the gateway's own ability to answer: it listens, its config is
+        loaded, it is not draining. A fleet with no usable replica does not make it
+        unready: pulled from the Service, every gateway pod would turn a clean 503 with
+        Retry-After into a connection error. The fleet's state is in the body;
+        `?fleet=1` also requires a usable replica (for tools that wait for capacity)."""
+        ready = self.replicas.any_ready(clock.monotonic())
+        fleet = {"usable_replica": ready, "replicas": len(self.replicas.all())}
         if self.draining:
-            return _json(503, {"status": "draining"})
-        if not self.replicas.any_ready(clock.monotonic()):
-            return _json(503, {"status": "no usable replica"})
-        return _json(200, {"status": "ready"})
+            return _json(503, {"status": "draining", "fleet": fleet})
+        if request.query.get("fleet") == "1" and not ready:
+            return _json(503, {"status": "no usable replica", "fleet": fleet})
+        return _json(200, {"status": "ready", "fleet": fleet})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        # vllm-router's answer (production-stack: {"status": "healthy"}); vLLM's own is
+        # an empty 200. Clients check the status code.
+        return _json(200, {"status": "healthy"})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        from seawall import __version__
+
+        return _json(200, {"version": __version__})  # vLLM's shape
+
+    async def _ping(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "POST"):
+            return _error(ApiError(405, f"Method {request.method} is not allowed on /ping."))
+        return web.Response(status=200)  # vLLM's (SageMaker's) /ping: an empty 200
+
+    def _seed_metrics(self) -> None:
+        """Series the gateway can name in advance exist at zero (see `Metrics.seed`)."""
+        self.metrics.seed(
+            replicas=[(r.id, failure_domain(r.node, r.id)) for r in self.replicas.all()],
+            models=self.replicas.models(),
+            tenants={name: t.tier for name, t in self.config.tenants.items()},
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self._seed_metrics()  # replicas and models that came or went since the last scrape
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},

@@ -52,6 +52,7 @@ class RequestCtx:
     replica: str = ""
     attempts: int = 0
     ttft_s: float | None = None
+    queued_s: float = 0.0  # time spent in the admission queue
     error: str = ""
     stage: str = "parsing"  # for cancellations: where the client left
     ticket: Ticket | None = None

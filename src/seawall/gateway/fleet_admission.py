@@ -100,6 +100,7 @@ class FleetAdmission:
         ctx.stage = "queued"
         try:
             admitted = await queue.wait(model, ctx.priority, room, deadline)
+            ctx.queued_s = clock.monotonic() - now
         except Displaced:
             self.shed(ctx, "fleet_saturated")
             raise rate_limited(

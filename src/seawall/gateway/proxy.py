@@ -25,7 +25,7 @@ from aiohttp import web
 
 from seawall import clock
 from seawall.config import Timeouts
-from seawall.errors import ApiError, unavailable
+from seawall.errors import ApiError, clip, unavailable
 from seawall.gateway.context import RequestCtx, new_request_id
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.fleet_admission import FleetAdmission
@@ -125,8 +125,7 @@ class Proxy:
     def _error_response(self, ctx: RequestCtx, e: ApiError) -> web.Response:
         ctx.status = e.status
         ctx.error = ctx.error or e.message
-        headers = {"X-Request-Id": ctx.request_id, **e.headers}
-        headers["Content-Type"] = e.content_type
+        headers = {"X-Request-Id": ctx.request_id, **e.response_headers()}
         return web.Response(body=e.json_bytes(), status=e.status, headers=headers)
 
     def _finish(self, ctx: RequestCtx) -> None:
@@ -143,12 +142,13 @@ class Proxy:
                     {
                         "request_id": ctx.request_id,
                         "route": ctx.route,
-                        "model": ctx.model[:_LOG_FIELD_MAX] if ctx.model else "unknown",
+                        "model": clip(ctx.model, _LOG_FIELD_MAX) if ctx.model else "unknown",
                         "tenant": ctx.tenant,
                         "status": ctx.status,
                         "replica": ctx.replica,
                         "attempts": ctx.attempts,
                         "ttft_s": None if ctx.ttft_s is None else round(ctx.ttft_s, 4),
+                        "queued_s": round(ctx.queued_s, 4),
                         "duration_s": round(elapsed, 4),
                         "error": ctx.error[: _LOG_FIELD_MAX * 4] or None,
                     }

@@ -30,7 +30,7 @@ class Replica:
     id: str
     url: str
     model: str | None
-    node: str
+    node: str | None  # None: its own failure domain (see seawall.config.ReplicaConfig)
     api_key: str | None = None
     engine: str = "auto"
     kv_block_size: int = 16  # learned from the engine's cache config; vLLM's default

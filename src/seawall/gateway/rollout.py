@@ -53,7 +53,7 @@ class FleetOps(Protocol):
         replica_id: str,
         url: str,
         model: str | None,
-        node: str = ...,
+        node: str | None = ...,
         api_key: str | None = ...,
         engine: str = ...,
     ) -> Replica: ...

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from seawall.errors import ApiError, unavailable
+from seawall.errors import ApiError, clip, unavailable
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.replicas import ReplicaSet
@@ -55,7 +55,7 @@ def admission_stack(
         if not replicas.serves(model):
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist. Valid models: "
+                f"The model `{clip(model)}` does not exist. Valid models: "
                 f"{', '.join(replicas.models()) or '(none yet)'}.",
                 param="model",
                 code="model_not_found",

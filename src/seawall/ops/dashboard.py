@@ -73,6 +73,11 @@ def _sections(engine: str) -> list[tuple[str, list[tuple[str, str, list[tuple[st
             [(f"sum by (kind) (rate({m.TIMEOUTS}{RATE}))", "{{kind}}")],
         ),
         (
+            "Streams cut mid-way, by cause",
+            "reqps",
+            [(f"sum by (reason) (rate({m.STREAM_ERRORS}{RATE}))", "{{reason}}")],
+        ),
+        (
             "Hedges and migrations",
             "reqps",
             [

@@ -185,7 +185,7 @@ DOMAINS: tuple[Domain, ...] = (
             "deep probes and the progress watchdog restart the replica",
             "mid-stream migration of streams that were in flight",
         ),
-        (m.RETRIES, m.TIMEOUTS, m.DEEP_PROBE_FAILURES, m.RESTARTS, m.MIGRATIONS),
+        (m.RETRIES, m.TIMEOUTS, m.DEEP_PROBE_FAILURES, m.RESTARTS, m.MIGRATIONS, m.STREAM_ERRORS),
         _live_crash,
     ),
     Domain(
