@@ -2,9 +2,10 @@
 
 Run against a real llama-server, the monitor made three wrong verdicts about healthy
 replicas, and migration miscounted. Each test here reproduced one of them on the code of
-the time. Bug 1 (the progress counter) is fixed in `seawall.fleet.adapters`; bugs 2-4 are
-fixed in the monitor and the proxy by separate work, so their tests are strict xfails
-until that lands (the marker must then go, or the suite fails).
+the time. Bug 1 (the progress counter) is fixed in `seawall.fleet.adapters`, bug 2 (the
+deep probe) in the monitor; bugs 3 and 4 are fixed in the proxy by separate work, so
+their tests are strict xfails until that lands (the marker must then go, or the suite
+fails).
 
 Request lengths are measured on the running server (`tokens_lasting`), so that a test
 about long requests cannot pass because its requests happened to be short here.
@@ -108,7 +109,6 @@ def fill_slots(server: LlamaServer, max_tokens: int) -> list[threading.Thread]:
     return threads
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 bug 2: fixed by monitor work")
 def test_a_busy_llamacpp_replica_making_progress_stays_ready(fleet: Fleet) -> None:
     """Bug 13.2: llama.cpp queues a request until a slot frees, so the one-token deep
     probe waits behind four long streams and times out; the monitor called a replica that

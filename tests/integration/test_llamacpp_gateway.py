@@ -78,7 +78,10 @@ def test_streams_through_the_gateway_carry_llamacpp_usage(fleet: Fleet) -> None:
         )
     )
     assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 32
-    assert chat[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chat}) == 1
+    # No assertion on a role chunk: llama.cpp sends it with the partial result of the
+    # first token only, so when that token ends inside a UTF-8 character (held back) the
+    # stream has none (docs/engines-reference.md, llama.cpp).
 
     whole = fleet.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16)
     assert whole.usage is not None and whole.usage.completion_tokens == 16
