@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import random
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 
 from seawall import clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
+from seawall.auth import hash_key
 from seawall.config import ConfigError, GatewayConfig, format_validation_error
 from seawall.errors import ApiError
 from seawall.fleet.config import FleetMonitorConfig
@@ -28,6 +30,8 @@ from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.admin import Admin
 from seawall.gateway.engine_args import warn_if_context_too_small
+from seawall.gateway.frontdoor import FrontDoor
+from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.gateway.metrics import Metrics
 from seawall.gateway.proxy import Proxy, RequestCtx
@@ -100,7 +104,7 @@ class Gateway:
         # The request path's upstream connections (hand-written, see h1.py); the session
         # above serves the gateway's other calls to replicas.
         self.pool = H1Pool(on_connect=self._upstream_connected)
-        self._runner: web.AppRunner | None = None
+        self.front_door: FrontDoor | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
         self.recent_ttft_s: list[float] = []  # drained by the admin sampler
@@ -272,7 +276,41 @@ class Gateway:
             return _json(503, {"status": "no usable replica"})
         return _json(200, {"status": "ready"})
 
+    def _metrics_public(self) -> bool:
+        access = self.config.metrics.access
+        return access == "public" or (access == "auto" and not self.config.tenants)
+
+    def _metrics_credentials(self) -> list[bytes]:
+        hashes = (self.config.metrics.token_hash, self.config.admin.token_hash)
+        return [h.encode() for h in hashes if h]
+
+    def _may_read_metrics(self, request: web.Request) -> bool:
+        """`/metrics` names tenants and tiers: with tenants configured it needs the
+        scrape credential or the admin token (config `metrics.access`)."""
+        if self._metrics_public():
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        presented = hash_key(token.strip()).encode()
+        return any(hmac.compare_digest(presented, h) for h in self._metrics_credentials())
+
+    def _has_valid_key(self, headers: Any) -> bool:
+        """For the front door's caps: does this request carry a tenant's valid key?"""
+        keys = getattr(self.guard, "keys", None)
+        return keys is not None and isinstance(keys.authenticate_headers(headers), str)
+
     async def _metrics(self, request: web.Request) -> web.Response:
+        if not self._may_read_metrics(request):
+            return _error(
+                ApiError(
+                    401,
+                    "The gateway's metrics need the scrape or admin bearer token.",
+                    code="metrics_unauthorized",
+                    type="AuthenticationError",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            )
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -307,17 +345,22 @@ class Gateway:
                 apply=self.apply_discovered,
             )
         self._tasks.append(asyncio.create_task(self._discover_loop()))
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner,
+        if not self._metrics_public() and not self._metrics_credentials():
+            log.warning(
+                "tenants are configured, so /metrics needs a credential, and none is set: "
+                "set metrics.token_hash (seawall keys new --tenant prometheus) or "
+                "metrics.access: public"
+            )
+        # Timeouts, connection caps and JSON answers below the OpenAI API: frontdoor.py.
+        self.front_door = await serve_front_door(
+            self.app(),
             host or self.config.listen.host,
             self.config.listen.port if port is None else port,
-            backlog=1024,
+            self.config.server,
+            authorize=self._has_valid_key if self.config.tenants else None,
+            registry=self.metrics.registry,
         )
-        await site.start()
-        server: Any = site._server
-        self.port = int(server.sockets[0].getsockname()[1])
+        self.port = self.front_door.port
         if self.admin is not None:
             await self.admin.start()
         return self.port
@@ -366,8 +409,8 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self.front_door is not None:
+            await self.front_door.close()
         if self.admin is not None:
             await self.admin.close()
         await self.monitor.stop()

@@ -34,6 +34,7 @@ from aiohttp import HttpVersion11, web
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, rate_limited, unavailable
+from seawall.gateway.frontdoor import safe_request_id
 from seawall.gateway.h1 import BrokenResponse
 from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body
@@ -101,9 +102,9 @@ class RequestCtx:
 
 
 def new_request_id(incoming: str | None) -> str:
-    if incoming and len(incoming) <= 128 and incoming.isprintable():
-        return incoming
-    return os.urandom(12).hex()
+    """The client's `X-Request-Id` when it is safe to forward and log (see
+    `frontdoor.safe_request_id`), else a fresh one."""
+    return safe_request_id(incoming) or os.urandom(12).hex()
 
 
 class Proxy:

@@ -16,6 +16,9 @@ from seawall.errors import ApiError, bad_request
 
 Route = Literal["completions", "chat"]
 
+# orjson's limit when writing (it reads deeper): a body edited by the gateway must fit.
+MAX_WRITTEN_DEPTH = 254
+
 
 @dataclass(slots=True)
 class ParsedRequest:
@@ -46,7 +49,16 @@ class ParsedRequest:
         self.edited = True
 
     def body_bytes(self) -> bytes:
-        return orjson.dumps(self.obj) if self.edited else self.raw
+        if not self.edited:
+            return self.raw
+        try:
+            return orjson.dumps(self.obj)
+        except orjson.JSONEncodeError:
+            # orjson reads 1,024 levels of nesting but writes only 254: a body the
+            # gateway edits must fit what it can write back (no OpenAI field nests so).
+            raise bad_request(
+                f"The request body is nested more than {MAX_WRITTEN_DEPTH} levels deep."
+            ) from None
 
 
 def parse(route: Route, raw: bytes) -> ParsedRequest:
