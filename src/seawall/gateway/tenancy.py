@@ -41,8 +41,7 @@ from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
     TokenCounter,
-    count_chat_prompt,
-    count_completion_prompt,
+    count_request,
 )
 from seawall.state.limits import (
     Denied,
@@ -275,9 +274,9 @@ class TenancyGuard:
         req = ctx.req
         assert req is not None
         counter = self.counters.get(req.model, self.estimate)
-        if req.route == "chat":
-            return count_chat_prompt(req.obj["messages"], counter)
-        return count_completion_prompt(req.obj["prompt"], counter)
+        # Every field that reaches the prompt, every prompt of a batch (issue 11, item 6).
+        # `count_request(...).sequences` is what limits and reservations must multiply.
+        return count_request(req, counter).prompt_tokens
 
     def _shed(self, ctx: RequestCtx, reason: str) -> None:
         m = self.gw.metrics
