@@ -230,7 +230,9 @@ def test_non_ascii_request_id_is_replaced_not_forwarded(fleet: Fleet, value: str
     is replaced by one the gateway makes; the request is served."""
     responses, _ = raw_exchange(
         fleet.port,
-        request_bytes(body=BODY, headers={"Authorization": f"Bearer {fleet.key}"}).replace(
+        request_bytes(
+            body=BODY, headers={"Authorization": f"Bearer {fleet.key}", "Connection": "close"}
+        ).replace(
             b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\nX-Request-Id: " + value.encode() + b"\r\n"
         ),
     )
