@@ -860,6 +860,7 @@ async def serve(
     authorize: Authorize | None = None,
     registry: CollectorRegistry | None = None,
     backlog: int = 1024,
+    shutdown_timeout_s: float = 60.0,
 ) -> FrontDoor:
     """Listen on `host:port` with `app` behind the front door's rules; `authorize(headers)`
     says whether a request carries a valid key (None: no keys exist). Raises the
@@ -887,7 +888,9 @@ async def serve(
     door.metrics.open.set_function(lambda: len(door.table))
     door.metrics.unauthenticated.set_function(lambda: door.table.unauthenticated)
     app.middlewares.insert(0, _middleware(door))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
     await runner.setup()
     server = runner.server
     assert server is not None
