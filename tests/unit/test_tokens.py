@@ -517,3 +517,29 @@ async def test_large_bodies_are_counted_off_the_event_loop() -> None:
     counted_on.clear()
     await count_request_async(small, NeedsTheLoop())
     assert counted_on == [threading.get_ident()]  # small bodies stay inline
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(alphabet="0123456789 +-._e", max_size=8)
+    | st.text(max_size=6)
+)
+def test_lax_int_never_reads_a_number_pydantic_reads_differently(value: Any) -> None:
+    """vLLM validates `n` with pydantic: wherever this parser reads an integer,
+    pydantic reads the same one (so the gateway counts what the engine runs)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from seawall.protocol.openai import lax_int
+
+    ours = lax_int(value)
+    if ours is None:
+        return
+    try:
+        theirs = TypeAdapter(int).validate_python(value)
+    except ValidationError:
+        pytest.fail(f"{value!r}: read as {ours}, pydantic refuses it")
+    assert ours == theirs

@@ -12,11 +12,11 @@ runs; `n > 1` is served (issue 13) and counted as `n` sequences per prompt by
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
 
 from seawall.errors import bad_request
 
@@ -25,7 +25,22 @@ Route = Literal["completions", "chat"]
 # orjson's limit when writing (it reads deeper): a body edited by the gateway must fit.
 MAX_WRITTEN_DEPTH = 254
 
-_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+# Strings pydantic's lax mode reads as integers (a subset: what it reads, it reads the same).
+_INT_STRING = re.compile(r"\s*[+-]?\d+(?:\.0*)?\s*")
+_INT64 = 2**63
+
+
+def lax_int(value: Any) -> int | None:
+    """`value` as vLLM's pydantic models read an `int` field in lax mode (`2`, `2.0`,
+    `"2"`, `true`), or None if it would not be an integer. Never reads a value as a
+    different number than pydantic would; may refuse a few exotic spellings it accepts."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < _INT64 else None
+    if isinstance(value, str) and _INT_STRING.fullmatch(value):
+        return int(value.strip().split(".")[0])
+    return None
 
 
 @dataclass(slots=True)
@@ -112,10 +127,9 @@ def _positive_lax_int(obj: dict[str, Any], key: str) -> int:
     value = obj.get(key)
     if value is None:
         return 1
-    try:
-        number = _LAX_INT.validate_python(value)
-    except ValidationError:
-        raise bad_request(f"`{key}` must be an integer, got {value!r:.40}.", param=key) from None
+    number = lax_int(value)
+    if number is None:
+        raise bad_request(f"`{key}` must be an integer, got {value!r:.40}.", param=key)
     if number < 1:
         raise bad_request(f"`{key}` must be at least 1, got {number}.", param=key)
     return number
