@@ -183,6 +183,16 @@ class TierConfig(_Strict):
     requests_per_min: Annotated[int, Field(ge=1)] | None = None
     timeouts: TimeoutOverrides | None = None
     migrate: bool = False  # continue a stream on another replica when its replica dies
+    # Bodies larger than this are refused (413) before any token is counted. None: derived
+    # from max_prompt_tokens (protocol/tokens.py `max_prompt_bytes`: 10 bytes per token
+    # + 64 KiB for the rest of the body); no bound without max_prompt_tokens.
+    max_prompt_bytes: Annotated[int, Field(ge=1024)] | None = None
+
+    def prompt_bytes_limit(self) -> int | None:
+        """The byte bound the door applies to this tier's request bodies."""
+        from seawall.protocol.tokens import max_prompt_bytes
+
+        return self.max_prompt_bytes or max_prompt_bytes(self.max_prompt_tokens)
 
     def limits(self) -> TierLimits:
         default = self.max_tokens_default

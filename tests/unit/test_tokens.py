@@ -519,7 +519,7 @@ async def test_large_bodies_are_counted_off_the_event_loop() -> None:
     assert counted_on == [threading.get_ident()]  # small bodies stay inline
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(
     st.none()
     | st.booleans()
@@ -543,3 +543,11 @@ def test_lax_int_never_reads_a_number_pydantic_reads_differently(value: Any) -> 
     except ValidationError:
         pytest.fail(f"{value!r}: read as {ours}, pydantic refuses it")
     assert ours == theirs
+
+
+def test_a_tier_byte_bound_is_derived_from_its_prompt_limit_or_set() -> None:
+    from seawall.config import TierConfig
+
+    assert TierConfig().prompt_bytes_limit() is None
+    assert TierConfig(max_prompt_tokens=200).prompt_bytes_limit() == max_prompt_bytes(200)
+    assert TierConfig(max_prompt_tokens=200, max_prompt_bytes=5000).prompt_bytes_limit() == 5000

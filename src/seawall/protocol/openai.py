@@ -26,7 +26,7 @@ Route = Literal["completions", "chat"]
 MAX_WRITTEN_DEPTH = 254
 
 # Strings pydantic's lax mode reads as integers (a subset: what it reads, it reads the same).
-_INT_STRING = re.compile(r"\s*[+-]?\d+(?:\.0*)?\s*")
+_INT_STRING = re.compile(r" *[+-]?[0-9]+(?:\.0+)? *")
 _INT64 = 2**63
 
 
