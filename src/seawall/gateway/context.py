@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from seawall.config import DEFAULT_TIER, Timeouts
+from seawall.gateway.frontdoor import safe_request_id
 from seawall.protocol.openai import ParsedRequest, Route
 
 if TYPE_CHECKING:
@@ -73,9 +74,7 @@ class RequestCtx:
 
 
 def new_request_id(incoming: str | None) -> str:
-    """The client's X-Request-Id when it is short, printable ASCII; otherwise a new one.
-    (Non-ASCII ids cannot be sent on as an HTTP header, and would be forwarded as raw
-    bytes that engines reject.)"""
-    if incoming and len(incoming) <= 128 and incoming.isascii() and incoming.isprintable():
-        return incoming
-    return os.urandom(12).hex()
+    """The client's X-Request-Id when it is safe to forward and log, otherwise a new one
+    (`frontdoor.safe_request_id`: non-ASCII ids cannot be sent on as an HTTP header and
+    would be forwarded as raw bytes that engines reject; a key pasted there is logged)."""
+    return safe_request_id(incoming) or os.urandom(12).hex()

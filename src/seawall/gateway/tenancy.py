@@ -28,8 +28,7 @@ from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
     TokenCounter,
-    count_chat_prompt,
-    count_completion_prompt,
+    count_request,
 )
 from seawall.state.limits import Denied, Lease, LimitsBackend, TenantLimits, denied_error
 
@@ -111,9 +110,9 @@ class Tenancy:
         req = ctx.req
         assert req is not None
         counter = self.counters.get(req.model, self.estimate)
-        if req.route == "chat":
-            return count_chat_prompt(req.obj["messages"], counter)
-        return count_completion_prompt(req.obj["prompt"], counter)
+        # Every field that reaches the prompt, every prompt of a batch (issue 11, item 6).
+        # `count_request(...).sequences` is what limits and reservations must multiply.
+        return count_request(req, counter).prompt_tokens
 
     # -- 3. rates and concurrency -------------------------------------------------------
 
