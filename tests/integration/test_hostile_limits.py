@@ -159,7 +159,6 @@ def test_client_model_names_do_not_grow_the_metrics(artifacts: Path) -> None:
         assert len(scrape(gw.url)) <= before + 10
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 5: request path")
 def test_requests_refused_for_size_are_charged_to_the_request_rate(artifacts: Path) -> None:
     key = new_key()
     sim = start_sim(artifacts)
