@@ -89,10 +89,10 @@ CASES: list[Case] = [
     _cmpl(
         "cmpl.return_token_ids_stream", {"max_tokens": 3, "return_token_ids": True, "stream": True}
     ),
-    # the stand-in generates " the quick ...": byte token of "q" stops it
-    _cmpl("cmpl.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [116]}),
+    # the stand-in generates " the quick ...": token 86 is "t" (byte-level ids are offset by the 3 specials)
+    _cmpl("cmpl.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [86]}),
     _cmpl(
-        "cmpl.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [116], "stream": True}
+        "cmpl.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}
     ),
     _cmpl("cmpl.stop_string", {"max_tokens": 20, "stop": [" quick"]}),
     _cmpl("cmpl.stop_string_stream", {"max_tokens": 20, "stop": [" quick"], "stream": True}),
@@ -206,9 +206,9 @@ CASES: list[Case] = [
     _chat(
         "chat.return_token_ids_stream", {"max_tokens": 2, "return_token_ids": True, "stream": True}
     ),
-    _chat("chat.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [116]}),
+    _chat("chat.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [86]}),
     _chat(
-        "chat.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [116], "stream": True}
+        "chat.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}
     ),
     _chat("chat.echo", {"max_tokens": 2, "echo": True}),
     _chat("chat.echo_stream", {"max_tokens": 2, "echo": True, "stream": True}),

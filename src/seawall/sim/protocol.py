@@ -50,10 +50,38 @@ def value_error(message: str) -> ApiError:
 
 _BRACKETED = re.compile(r"[\[\]{}()]")
 _INTERNAL_MARKERS = frozenset(
-    "function-wrap function-after function-before function-plain json-or-python "
-    "lax-or-strict chain default nullable tagged-union union call arguments is-instance "
-    "is-subclass callable str int float bool bytes bytearray list tuple dict set frozenset "
-    "complex none nonetype".split()
+    [
+        "function-wrap",
+        "function-after",
+        "function-before",
+        "function-plain",
+        "json-or-python",
+        "lax-or-strict",
+        "chain",
+        "default",
+        "nullable",
+        "tagged-union",
+        "union",
+        "call",
+        "arguments",
+        "is-instance",
+        "is-subclass",
+        "callable",
+        "str",
+        "int",
+        "float",
+        "bool",
+        "bytes",
+        "bytearray",
+        "list",
+        "tuple",
+        "dict",
+        "set",
+        "frozenset",
+        "complex",
+        "none",
+        "nonetype",
+    ]
 )
 _MAX_REPORTED_ERRORS = 10
 _MAX_ERROR_INPUT_CHARS = 200
