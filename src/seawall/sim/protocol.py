@@ -50,39 +50,14 @@ def value_error(message: str) -> ApiError:
 
 _BRACKETED = re.compile(r"[\[\]{}()]")
 _INTERNAL_MARKERS = frozenset(
-    [
-        "function-wrap",
-        "function-after",
-        "function-before",
-        "function-plain",
-        "json-or-python",
-        "lax-or-strict",
-        "chain",
-        "default",
-        "nullable",
-        "tagged-union",
-        "union",
-        "call",
-        "arguments",
-        "is-instance",
-        "is-subclass",
-        "callable",
-        "str",
-        "int",
-        "float",
-        "bool",
-        "bytes",
-        "bytearray",
-        "list",
-        "tuple",
-        "dict",
-        "set",
-        "frozenset",
-        "complex",
-        "none",
-        "nonetype",
-    ]
-)
+    (
+        "function-wrap", "function-after", "function-before", "function-plain",
+        "json-or-python", "lax-or-strict", "chain", "default", "nullable", "tagged-union",
+        "union", "call", "arguments", "is-instance", "is-subclass", "callable", "str", "int",
+        "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+        "complex", "none", "nonetype",
+    )
+)  # fmt: skip
 _MAX_REPORTED_ERRORS = 10
 _MAX_ERROR_INPUT_CHARS = 200
 _MAX_ERROR_CHARS = 1000
@@ -253,6 +228,18 @@ def _check_prompt_logprobs(data: dict[str, Any]) -> None:
             "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs",
             prompt_logprobs,
         )  # fmt: skip
+
+
+def _check_generation_prompt(data: Any) -> Any:
+    if (
+        isinstance(data, dict)
+        and data.get("continue_final_message")
+        and data.get("add_generation_prompt")
+    ):
+        raise vllm_error(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    return data
 
 
 class CompletionRequest(_Base):
@@ -489,15 +476,7 @@ class ChatCompletionRequest(_Base):
     @model_validator(mode="before")
     @classmethod
     def check_generation_prompt(cls, data: Any) -> Any:
-        if (
-            isinstance(data, dict)
-            and data.get("continue_final_message")
-            and data.get("add_generation_prompt")
-        ):
-            raise vllm_error(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-            )
-        return data
+        return _check_generation_prompt(data)
 
 
 class ResponsesRequest(_Base):
@@ -559,7 +538,7 @@ class TokenizeChatRequest(_Base):
     @model_validator(mode="before")
     @classmethod
     def check_generation_prompt(cls, data: Any) -> Any:
-        return ChatCompletionRequest.check_generation_prompt(data)
+        return _check_generation_prompt(data)
 
 
 class DetokenizeRequest(_Base):
