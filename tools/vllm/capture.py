@@ -91,9 +91,7 @@ CASES: list[Case] = [
     ),
     # the stand-in generates " the quick ...": token 86 is "t" (byte-level ids are offset by the 3 specials)
     _cmpl("cmpl.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [86]}),
-    _cmpl(
-        "cmpl.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}
-    ),
+    _cmpl("cmpl.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}),
     _cmpl("cmpl.stop_string", {"max_tokens": 20, "stop": [" quick"]}),
     _cmpl("cmpl.stop_string_stream", {"max_tokens": 20, "stop": [" quick"], "stream": True}),
     _cmpl("cmpl.body_request_id", {"max_tokens": 1, "request_id": "my-body-id"}),
@@ -207,9 +205,7 @@ CASES: list[Case] = [
         "chat.return_token_ids_stream", {"max_tokens": 2, "return_token_ids": True, "stream": True}
     ),
     _chat("chat.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [86]}),
-    _chat(
-        "chat.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}
-    ),
+    _chat("chat.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}),
     _chat("chat.echo", {"max_tokens": 2, "echo": True}),
     _chat("chat.echo_stream", {"max_tokens": 2, "echo": True, "stream": True}),
     _chat("chat.header_request_id", {"max_tokens": 1}, **{"X-Request-Id": "hdr-1"}),
@@ -355,6 +351,24 @@ CASES: list[Case] = [
 ]
 
 
+def _compact(value: Any) -> Any:
+    """Long repetitive request values, written as {"$repeat": unit, "times": n} (a string
+    repeated, or a list of one repeated item) so the fixture stays small; the test
+    support's `replay` expands them."""
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if len(value) > 64 and all(v == value[0] for v in value):
+            return {"$repeat": [value[0]], "times": len(value)}
+        return [_compact(v) for v in value]
+    if isinstance(value, str) and len(value) > 256:
+        for size in range(1, 17):
+            unit = value[:size]
+            if len(value) % size == 0 and unit * (len(value) // size) == value:
+                return {"$repeat": unit, "times": len(value) // size}
+    return value
+
+
 def _sse_events(text: str) -> list[Any]:
     events: list[Any] = []
     for block in text.split("\n\n"):
@@ -400,16 +414,7 @@ async def _capture(port: int) -> dict[str, Any]:
                             parsed["json"]["tokens"] = [*tokens[:8], "...elided"]
                     except ValueError:
                         parsed = {"text": raw}
-            shown = body.decode() if isinstance(body, bytes) else body
-            if name in (
-                "err.prompt_text_too_long",
-                "err.chat.prompt_too_long",
-                "tok.longer_than_context",
-                "err.resp.too_long",
-            ):
-                shown = "<LONG_TEXT>"
-            elif isinstance(shown, dict) and len(json.dumps(shown)) > 2000:
-                shown = "<elided: see tools/vllm/capture.py>"
+            shown = _compact(body.decode() if isinstance(body, bytes) else body)
             out[name] = {
                 "request": {"method": method, "path": path, "headers": headers, "body": shown},
                 "status": r.status,
@@ -482,6 +487,87 @@ def _schemas(seen_event_types: set[str]) -> dict[str, Any]:
     return out
 
 
+# the schema each route's answers are checked against: (non-stream, stream chunk)
+ROUTE_MODELS = {
+    "/v1/completions": ("CompletionResponse", "CompletionStreamResponse"),
+    "/v1/chat/completions": ("ChatCompletionResponse", "ChatCompletionStreamResponse"),
+    "/v1/responses": ("ResponsesResponse", "ResponsesStreamEvents"),
+    "/tokenize": ("TokenizeResponse", None),
+    "/detokenize": ("DetokenizeResponse", None),
+    "/v1/models": ("ModelList", None),
+}
+
+
+def _learn_required(schemas: dict[str, Any], captured: dict[str, Any]) -> None:
+    """Set each object schema's `required` to the keys vLLM's dumps always wrote.
+
+    Pydantic's own `required` lists only fields without defaults, but vLLM writes every
+    field (`model_dump()`), drops some by custom serializers (`tool_calls` when empty) and
+    omits unset ones in stream chunks (`exclude_unset`). What the captured answers show is
+    the truth: a key present in every captured instance of a model is required, and the
+    properties stay the list of keys that may appear."""
+    seen: dict[int, set[str]] = {}
+    nodes: dict[int, dict[str, Any]] = {}
+
+    def resolve(root: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+        while "$ref" in node:
+            node = root["$defs"][node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    def walk(root: dict[str, Any], node: dict[str, Any], value: Any) -> None:
+        node = resolve(root, node)
+        branches = node.get("anyOf") or node.get("oneOf")
+        if branches:
+            for branch in branches:
+                b = resolve(root, branch)
+                props = b.get("properties")
+                if isinstance(value, dict) and isinstance(props, dict):
+                    type_field = props.get("type", {})
+                    if "const" in type_field and value.get("type") != type_field["const"]:
+                        continue
+                    if set(value) <= set(props):
+                        walk(root, b, value)
+                        return
+                elif isinstance(value, list) and b.get("type") == "array":
+                    walk(root, b, value)
+                    return
+                elif not isinstance(value, dict | list) and value is not None:
+                    continue
+            return
+        if isinstance(value, dict) and isinstance(node.get("properties"), dict):
+            key = id(node)
+            nodes[key] = node
+            seen[key] = set(value) if key not in seen else seen[key] & set(value)
+            for k, v in value.items():
+                if k in node["properties"]:
+                    walk(root, node["properties"][k], v)
+            extra = node.get("additionalProperties")
+            if isinstance(extra, dict):
+                for k, v in value.items():
+                    if k not in node["properties"]:
+                        walk(root, extra, v)
+        elif isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+            for v in value.values():
+                walk(root, node["additionalProperties"], v)
+        elif isinstance(value, list) and isinstance(node.get("items"), dict):
+            for v in value:
+                walk(root, node["items"], v)
+
+    for case in captured.values():
+        if case["status"] != 200:
+            continue
+        unary, chunk = ROUTE_MODELS.get(case["request"]["path"], (None, None))
+        if "json" in case and unary is not None:
+            walk(schemas[unary], schemas[unary], case["json"])
+        for event in case.get("sse", []):
+            if chunk is None or event == "[DONE]":
+                continue
+            data = event["data"] if isinstance(event, dict) and "event" in event else event
+            walk(schemas[chunk], schemas[chunk], data)
+    for key, node in nodes.items():
+        node["required"] = sorted(seen[key])
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -500,7 +586,9 @@ async def main() -> None:
     dump = {"indent": 1, "sort_keys": False, "ensure_ascii": False}
     (args.out / "captured.json").write_text(json.dumps(captured, **dump) + "\n")
     seen = {e["event"] for case in captured.values() for e in case.get("sse", []) if "event" in e}
-    (args.out / "schemas.json").write_text(json.dumps(_schemas(seen), **dump) + "\n")
+    schemas = _schemas(seen)
+    _learn_required(schemas, captured)
+    (args.out / "schemas.json").write_text(json.dumps(schemas, **dump) + "\n")
     versions = {
         p: version(p)
         for p in (

@@ -85,7 +85,7 @@ class Stream:
         self.pending: list[int] = []
         self.finish: FinishReason | None = None
         self.error: ApiError | None = None
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.stop_text_len: int | None = None
         self.text = ""  # kept only when there are stop strings to search
         self.first_scheduled_s: float | None = None
@@ -121,6 +121,22 @@ class Stream:
         taken = self.pending
         self.pending = []
         return taken
+
+
+async def wait_any(streams: list[Stream]) -> None:
+    """Wait until one of the streams has tokens or has ended (one waiter shared by all,
+    so a step that feeds several wakes the writer once)."""
+    if any(s.pending or s.finish is not None for s in streams):
+        return
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    for s in streams:
+        s.waiter = waiter
+    try:
+        await waiter
+    finally:
+        for s in streams:
+            if s.waiter is waiter:
+                s.waiter = None
 
 
 class Engine:
@@ -448,6 +464,8 @@ class Engine:
         if stream is None:
             return
         stream.finish = reason
+        if request.stop_reason is not None and stream.stop_reason is None:
+            stream.stop_reason = request.stop_reason
         stream.wake()
         if not count:
             return
