@@ -89,7 +89,7 @@ CASES: list[Case] = [
     _cmpl(
         "cmpl.return_token_ids_stream", {"max_tokens": 3, "return_token_ids": True, "stream": True}
     ),
-    # the stand-in generates " the quick ...": token 86 is "t" (byte-level ids are offset by the 3 specials)
+    # the stand-in generates " the quick ...": token 86 is "t" (byte ids follow 3 specials)
     _cmpl("cmpl.stop_token_ids", {"max_tokens": 20, "stop_token_ids": [86]}),
     _cmpl("cmpl.stop_token_ids_stream", {"max_tokens": 20, "stop_token_ids": [86], "stream": True}),
     _cmpl("cmpl.stop_string", {"max_tokens": 20, "stop": [" quick"]}),

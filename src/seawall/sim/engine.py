@@ -402,7 +402,8 @@ class Engine:
             else:
                 itl(now - (stream.last_token_s or now))
             stream.last_token_s = now
-            if stream.stop:
+            if stream.stop and request.stop_reason is None:
+                # a stop token is not part of the text (vLLM does not detokenize it)
                 self._check_stop(stream, token)
             if (
                 stream.fail_after_tokens is not None

@@ -642,7 +642,10 @@ class SimServer:
     @staticmethod
     def _output(stream: Stream) -> tuple[str, str | None]:
         """Final text and finish_reason; a stop string ends the text before itself."""
-        text = textgen.detokenize(stream.request.output_ids, skip_special=True)
+        ids = stream.request.output_ids
+        if isinstance(stream.stop_reason, int):
+            ids = ids[:-1]  # a stop token counts as output but is not in the text
+        text = textgen.detokenize(ids, skip_special=True)
         if stream.stop_text_len is not None:
             text = text[: stream.stop_text_len]
         reason = stream.finish.value if stream.finish is not None else None
@@ -907,7 +910,10 @@ class SimServer:
                     delta = text[sent_chars[i] :]
                     sent_chars[i] = len(text)
                 else:
-                    delta = "".join(textgen.token_text(t) for t in tokens)
+                    shown = tokens
+                    if finish is not None and isinstance(stream.stop_reason, int):
+                        shown = tokens[:-1]  # the stop token: counted, not detokenized
+                    delta = "".join(textgen.token_text(t) for t in shown)
                 num_tokens[i] += len(tokens)
                 prompt = self._prompt_of(gen, i)
                 echo_now = gen.echo and first_out[i]
