@@ -344,6 +344,11 @@ CASES: list[Case] = [
     _c("err.detok.tokens_strings", {"model": M, "tokens": ["a"]}, "/detokenize"),
     _c("err.detok.no_tokens", {"model": M}, "/detokenize"),
     ("err.tok.method_not_allowed", "GET", "/tokenize", None, {}),
+    # ---- pooling routes: vLLM registers them only for pooling models, not for generate
+    _c("misc.embeddings_on_generate_model", {"model": M, "input": "Hi"}, "/v1/embeddings"),
+    _c("misc.pooling_on_generate_model", {"model": M, "input": "Hi"}, "/pooling"),
+    _c("misc.score_on_generate_model", {"model": M, "text_1": "a", "text_2": "b"}, "/score"),
+    _c("misc.rerank_on_generate_model", {"model": M, "query": "a", "documents": ["b"]}, "/rerank"),
     # ---- misc routes
     ("misc.models", "GET", "/v1/models", None, {}),
     ("misc.version", "GET", "/version", None, {}),
