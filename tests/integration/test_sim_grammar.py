@@ -1,8 +1,8 @@
 """Pathological structured output in `seawall sim` (issue 11, item 11, the emulator's part):
 a heavy JSON schema slows every decode step it takes part in, so a plain stream that shares
-those steps sees its inter-token latency rise, as in vLLM, where the grammar bitmask is
-filled on the step's critical path. vLLM 0.33 ignores the removed `guided_json`, and so
-does the sim: that costs nothing."""
+those steps sees its inter-token latency rise, as in vLLM, where sampling waits for the
+batch's grammar bitmask (filled while the forward pass runs). vLLM 0.33 ignores the
+removed `guided_json`, and so does the sim: that costs nothing."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_a_heavy_schema_raises_a_co_scheduled_streams_inter_token_latency(sim: P
     wait_running(sim, 1)
     shared = stream_itl_s(sim)
     # the engine's own account of the steps they shared (deterministic, not a timing)
-    assert state(sim)["last_step_cost_s"] == pytest.approx(BASE_STEP_MS / 1000 + HEAVY_STEP_S)
+    assert state(sim)["last_step_cost_s"] == pytest.approx(max(BASE_STEP_MS / 1000, HEAVY_STEP_S))
     heavy.join(timeout=60)
 
     # what the plain stream's client sees: every gap holds the heavy grammar's work

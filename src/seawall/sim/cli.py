@@ -23,10 +23,12 @@ Flags and defaults:
   --step-base-ms 10             fixed cost of a step
   --step-per-seq-ms 0.1         extra cost per sequence in the step
   --step-per-prefill-token-ms 0.05  extra cost per prefill token in the step
-  --grammar-per-node-us 2       structured output: each constrained sequence adds
-                                nodes x depth x this to every step it samples in (its
-                                schema's JSON nodes and nesting; `response_format` or
-                                `structured_outputs`); 0 turns grammar cost off
+  --grammar-per-node-us 2       structured output: each constrained sequence's grammar
+                                costs nodes x depth x this in every step it samples in
+                                (its schema's JSON nodes and nesting; `response_format`
+                                or `structured_outputs`); the batch's grammars overlap
+                                the forward pass, so a step takes the longer of the two;
+                                0 turns grammar cost off
   --compat                      also emit vllm:gpu_cache_usage_perc and
                                 vllm:time_per_output_token_seconds (pre-0.10 names)
   --enable-server-load-tracking GET /load counts in-flight requests (0 without, as vLLM)

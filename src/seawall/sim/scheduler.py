@@ -20,9 +20,10 @@ What it keeps from vLLM 0.33 (`v1/core/sched/scheduler.py`, reference §3):
 - KV usage is `1 - free / (num_blocks - 1)`: one block is vLLM's null block and is never
   handed out.
 - Structured output (a JSON schema, regex, choice or grammar) costs every step in which the
-  constrained request samples: vLLM fills the grammar bitmask for the batch on the step's
-  critical path (`Scheduler.get_grammar_bitmask` before the forward pass), so one heavy
-  schema slows every sequence that shares its steps. `grammar_step_cost_s` is that cost.
+  constrained request samples: vLLM's `EngineCore.step` launches the forward pass, fills the
+  batch's grammar bitmask (`Scheduler.get_grammar_bitmask`) meanwhile, and samples only when
+  both are done. A light grammar hides behind the forward pass; a heavy one sets the step's
+  length, so every sequence sharing its steps slows. `grammar_step_cost_s` is that work.
 - With prefix caching (vLLM's default), a request admitted from the waiting queue reuses the
   cached blocks of its longest cached prefix (never its last token, which must be computed),
   and those tokens are neither computed nor charged to the step; the pool is `blocks`.
@@ -48,14 +49,14 @@ class StepCosts:
     per_prefill_token_s: float = 0.00005
 
     def cost_s(self, num_seqs: int, num_prefill_tokens: int, grammar_s: float = 0.0) -> float:
+        """The forward pass, or the grammar bitmask filled meanwhile if that takes longer
+        (sampling waits for both)."""
         if num_seqs == 0:
             return 0.0
-        return (
-            self.base_s
-            + self.per_seq_s * num_seqs
-            + self.per_prefill_token_s * num_prefill_tokens
-            + grammar_s
+        forward_s = (
+            self.base_s + self.per_seq_s * num_seqs + self.per_prefill_token_s * num_prefill_tokens
         )
+        return max(forward_s, grammar_s)
 
 
 def schema_shape(schema: object) -> tuple[int, int]:
@@ -81,8 +82,9 @@ def grammar_step_cost_s(nodes: int, depth: int, per_node_s: float) -> float:
     The matcher advances its grammar state and fills the token bitmask each step; the work
     grows with the grammar (one rule per schema node) and with nesting (the stack of
     partial rules the matcher carries), so it is modelled as `nodes * depth * per_node_s`.
-    With the default 2 us, a 20-node, depth-3 schema adds 0.12 ms to a ~10 ms step; a
-    2,000-node, depth-10 schema adds 40 ms, slowing every co-scheduled stream ~5x.
+    With the default 2 us, a 20-node, depth-3 schema costs 0.12 ms, hidden behind a ~10 ms
+    forward pass; a 2,000-node, depth-10 schema costs 40 ms, so its steps take 40 ms and
+    every co-scheduled stream slows ~4x.
     """
     if nodes <= 0 or per_node_s <= 0:
         return 0.0
