@@ -147,6 +147,10 @@ CASES: list[Case] = [
     _c("err.prompt_ids_exact_len", {"model": M, "prompt": [72] * 4096, "max_tokens": 1}),
     _c("err.prompt_text_too_long", {"model": M, "prompt": LONG_TEXT, "max_tokens": 1}),
     _c("err.prompt_text_too_many_chars", {"model": M, "prompt": "x" * 60000, "max_tokens": 1}),
+    _c("err.prompt_empty_list", {"model": M, "prompt": [], "max_tokens": 1}),
+    _c("err.prompt_empty_in_batch", {"model": M, "prompt": [[]], "max_tokens": 1}),
+    _c("err.prompt_empty_string_in_batch", {"model": M, "prompt": [""], "max_tokens": 1}),
+    _c("err.prompt_id_out_of_vocab", {"model": M, "prompt": [72, 2147483647], "max_tokens": 1}),
     _c("err.body_list", [1, 2]),
     ("err.invalid_json", "POST", "/v1/completions", b"{not json", JSON_CT),
     (
@@ -268,6 +272,16 @@ CASES: list[Case] = [
         "err.chat.both_generation_flags",
         {"max_tokens": 1, "add_generation_prompt": True, "continue_final_message": True},
     ),
+    _c(
+        "err.chat.empty_messages",
+        {"model": M, "messages": [], "max_tokens": 1},
+        "/v1/chat/completions",
+    ),
+    _c(
+        "chat.message_without_content",
+        {"model": M, "messages": [{"role": "user"}], "max_tokens": 2},
+        "/v1/chat/completions",
+    ),
     _c("err.chat.no_messages", {"model": M, "max_tokens": 1}, "/v1/chat/completions"),
     _c("err.chat.messages_string", {"model": M, "messages": "hi"}, "/v1/chat/completions"),
     _c(
@@ -343,6 +357,7 @@ CASES: list[Case] = [
     _c("err.detok.unknown_model", {"model": "nope", "tokens": [75]}, "/detokenize"),
     _c("err.detok.tokens_strings", {"model": M, "tokens": ["a"]}, "/detokenize"),
     _c("err.detok.no_tokens", {"model": M}, "/detokenize"),
+    _c("detok.out_of_vocab", {"model": M, "tokens": [2147483647]}, "/detokenize"),
     ("err.tok.method_not_allowed", "GET", "/tokenize", None, {}),
     # ---- pooling routes: vLLM registers them only for pooling models, not for generate
     _c("misc.embeddings_on_generate_model", {"model": M, "input": "Hi"}, "/v1/embeddings"),

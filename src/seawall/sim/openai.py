@@ -120,10 +120,20 @@ def check_prompt_len(ids: list[int], max_model_len: int) -> None:
         )
 
 
+def check_engine_prompt(ids: list[int]) -> None:
+    """The input processor's checks, after the sampling parameters': a prompt must have a
+    token, and every id must be in the vocabulary (vLLM names the largest)."""
+    if not ids:
+        raise p.value_error("The decoder prompt cannot be empty")
+    check_token_ids(ids)
+
+
 def check_token_ids(ids: list[int]) -> None:
+    if ids and max(ids) > textgen.MAX_TOKEN_ID:
+        raise p.value_error(f"Token id {max(ids)} is out of vocabulary")
     for t in ids:
-        if not textgen.is_valid_token(t):
-            raise p.vllm_error(f"Token id {t} is out of vocabulary", "prompt_token_ids")
+        if not textgen.is_valid_token(t):  # the sim's vocabulary has gaps between ranges
+            raise p.value_error(f"Token id {t} is out of vocabulary")
 
 
 def engine_max_tokens(max_model_len: int, requested: int | None, prompt_len: int) -> int:

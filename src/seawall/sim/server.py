@@ -278,8 +278,9 @@ class SimServer:
     async def detokenize(self, request: web.Request) -> web.Response:
         req = p.validate(p.DetokenizeRequest, await self._body(request))
         self._check_model(req.model)
-        oa.check_token_ids(req.tokens)
-        return _json({"prompt": textgen.detokenize(req.tokens)})
+        # vLLM's tokenizer decodes an id outside the vocabulary as nothing (a 200)
+        known = [t for t in req.tokens if textgen.is_valid_token(t)]
+        return _json({"prompt": textgen.detokenize(known)})
 
     # ------------------------------------------------------------------ faults and state
 
@@ -370,10 +371,12 @@ class SimServer:
         request_id: str,
     ) -> oa.Gen:
         # SamplingParams are built (and verified) per prompt, then the input processor
-        # checks the logprobs limits: vLLM's order
+        # checks the logprobs limits and the prompt's tokens: vLLM's order
         for prompt in prompts:
             oa.check_sampling(n, temperature, top_p, prompt.max_tokens)
         oa.check_logprobs_limits(logprobs, prompt_logprobs)
+        for prompt in prompts:
+            oa.check_engine_prompt(prompt.ids)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         include_usage = bool(stream_options and stream_options.include_usage)
         return oa.Gen(
@@ -431,6 +434,8 @@ class SimServer:
                 param="suffix",
                 type="BadRequestError",
             )
+        if req.prompt == []:
+            raise p.vllm_error("You must pass at least one prompt", "prompt")
         limit = self.config.max_model_len
         oa.check_max_tokens_param("max_tokens", req.max_tokens, limit)
         raw = req.prompt
@@ -450,7 +455,6 @@ class SimServer:
                 ids = oa.tokenize_checked(text, limit)
             else:
                 ids = list(raw[i] if raw and isinstance(raw[0], list) else raw or [])  # type: ignore[arg-type]
-                oa.check_token_ids(ids)
                 oa.check_prompt_len(ids, limit)
             max_tokens = oa.engine_max_tokens(limit, req.max_tokens, len(ids))
             shown = "" if text is None or req.return_token_ids else text
@@ -494,6 +498,10 @@ class SimServer:
         else:
             requested, name = req.max_tokens, "max_tokens"
         oa.check_max_tokens_param(name, requested, limit)
+        if not req.messages:
+            raise p.value_error(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         text = self._render_chat(
             req.messages, req.add_generation_prompt, req.continue_final_message
         )
