@@ -72,11 +72,41 @@ def post(
 # ------------------------------------------------------------------ every captured case
 
 
-@pytest.mark.parametrize("name", sorted(V.captured()))
+# Cases where the capture's stand-in engine failed the request after 2 outputs
+# (`FinishReason.ERROR`, vLLM's GenerationError); the sim's `errors` fault does the same.
+# `cmpl.generation_error_first_stream` (a failure on the first output) has no sim fault:
+# the fault's `after_tokens` is at least 1.
+ENGINE_ERROR_CASES = ("cmpl.generation_error", "cmpl.generation_error_stream",
+                      "chat.generation_error_stream")  # fmt: skip
+NEEDS_ENGINE_FAULT = {*ENGINE_ERROR_CASES, "cmpl.generation_error_first_stream"}
+
+
+@pytest.mark.parametrize("name", sorted(set(V.captured()) - NEEDS_ENGINE_FAULT))
 def test_answers_each_case_as_vllm_does(sim: Proc, name: str) -> None:
     # `logprobs: -1` asks for the whole vocabulary, whose size is the model's
     substitute = {"512": str(VOCAB_SIZE)} if name == "err.chat.top_logprobs_negative" else None
     V.assert_like_vllm(name, V.replay(sim.url, name), substitute)
+
+
+@pytest.fixture(scope="module")
+def failing_sim() -> Iterator[Proc]:
+    proc = start_sim("test_sim_vllm_fidelity_errors", "--step-base-ms", "1", "--enable-faults",
+                     "--fault", '{"kind": "errors", "rate": 1.0, "when": "mid_stream", '
+                     '"after_tokens": 2}')  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("name", ENGINE_ERROR_CASES)
+def test_request_level_engine_errors_as_vllm(failing_sim: Proc, name: str) -> None:
+    got = V.replay(failing_sim.url, name)
+    V.assert_like_vllm(name, got)
+    if "sse" in got:
+        # the outputs before the failure, vLLM's error event, then [DONE]
+        assert got["sse"][-2] == V.case(name)["sse"][-2]
+        assert len(got["sse"]) == len(V.case(name)["sse"])
 
 
 # ------------------------------------------------------------------ values vLLM's code showed

@@ -74,3 +74,25 @@ def test_a_json_content_type_with_parameters_is_accepted() -> None:
     assert p.parse_json_body(b'{"a": 1}', "application/json; charset=utf-8") == {"a": 1}
     # FastAPI's parser reads what orjson refuses
     assert p.parse_json_body(b'{"t": NaN}', "application/json")["t"] != 0
+
+
+def test_the_strict_validator_rejects_extra_missing_and_mistyped_keys() -> None:
+    # the helper the sim's (and later the gateway's) answers are judged by can fail
+    body = V.case("cmpl.basic")["json"]
+    V.validate(body, "CompletionResponse")
+    choice = body["choices"][0]
+    broken = [
+        {**body, "extra": 1},
+        {k: v for k, v in body.items() if k != "metrics"},
+        {**body, "choices": [{**choice, "logprobs": "none"}]},
+        {**body, "usage": {**body["usage"], "prompt_tokens": "5"}},
+    ]
+    for bad in broken:
+        with pytest.raises(AssertionError):
+            V.validate(bad, "CompletionResponse")
+    with pytest.raises(AssertionError):
+        V.same_keys({**body, "extra": 1}, body)
+    # data-keyed maps (completions' top_logprobs) compare by shape, not by their keys
+    lp = V.case("cmpl.logprobs")["json"]
+    other = json.loads(json.dumps(lp).replace('" ":', '"x":'))
+    V.same_keys(other, lp)

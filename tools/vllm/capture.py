@@ -117,6 +117,20 @@ CASES: list[Case] = [
             },
         },
     ),
+    # a request-level engine error (FinishReason.ERROR), before and during a stream
+    _cmpl("cmpl.generation_error", {"max_tokens": 10, "vllm_xargs": {"fake_error_after": 2}}),
+    _cmpl(
+        "cmpl.generation_error_stream",
+        {"max_tokens": 10, "stream": True, "vllm_xargs": {"fake_error_after": 2}},
+    ),
+    _cmpl(
+        "cmpl.generation_error_first_stream",
+        {"max_tokens": 10, "stream": True, "vllm_xargs": {"fake_error_after": 0}},
+    ),
+    _chat(
+        "chat.generation_error_stream",
+        {"max_tokens": 10, "stream": True, "vllm_xargs": {"fake_error_after": 2}},
+    ),
     # ---- completions: errors
     _cmpl("err.max_tokens_fraction", {"max_tokens": 2.5}),
     _cmpl("err.max_tokens_string", {"max_tokens": "abc"}),
@@ -573,7 +587,14 @@ def _learn_required(schemas: dict[str, Any], captured: dict[str, Any]) -> None:
             for v in value:
                 walk(root, node["items"], v)
 
+    errors = schemas["ErrorResponse"]
     for case in captured.values():
+        body = case.get("json")
+        if case["status"] != 200 and isinstance(body, dict) and "error" in body:
+            walk(errors, errors, body)
+        for event in case.get("sse", []):
+            if isinstance(event, dict) and set(event) == {"error"}:
+                walk(errors, errors, event)
         if case["status"] != 200:
             continue
         unary, chunk = ROUTE_MODELS.get(case["request"]["path"], (None, None))
@@ -583,6 +604,8 @@ def _learn_required(schemas: dict[str, Any], captured: dict[str, Any]) -> None:
             if chunk is None or event == "[DONE]":
                 continue
             data = event["data"] if isinstance(event, dict) and "event" in event else event
+            if isinstance(data, dict) and set(data) == {"error"}:
+                continue  # a mid-stream error event is an ErrorResponse, not a chunk
             walk(schemas[chunk], schemas[chunk], data)
     for key, node in nodes.items():
         node["required"] = sorted(seen[key])

@@ -11,7 +11,8 @@ processor: detokenization, stop strings, logprobs, n > 1 fan-out, streaming delt
 What is ours: only the engine core, the part that would run the model on a GPU. It is
 swapped for `FakeCore`, which for every running request emits one token per step from a
 fixed text, finishes on EOS / `stop_token_ids` / `max_tokens` / `max_model_len` exactly as
-vLLM's `check_stop` does, and attaches synthetic logprobs where they were asked for. A
+vLLM's `check_stop` does, attaches synthetic logprobs where they were asked for, and fails
+a request with `FinishReason.ERROR` when its `vllm_xargs` ask for it (`fake_error_after`). A
 tiny model directory (a `config.json` naming a registered do-nothing architecture and a
 byte-level tokenizer with a ChatML template) stands in for model weights: none are loaded.
 """
@@ -233,7 +234,12 @@ class FakeCore:
                 finish = None
                 stop_reason: int | str | None = None
                 num_tokens = len(req.prompt_token_ids or []) + len(produced)
-                if token == sp.eos_token_id and not sp.ignore_eos:
+                # `vllm_xargs: {"fake_error_after": N}`: a request-level engine error (what a
+                # KV-load failure gives) on the N+1th output; N = 0 fails the first
+                error_after = (sp.extra_args or {}).get("fake_error_after")
+                if error_after is not None and len(produced) > int(error_after):
+                    finish = FinishReason.ERROR
+                elif token == sp.eos_token_id and not sp.ignore_eos:
                     finish = FinishReason.STOP
                 elif token in (sp.stop_token_ids or ()):
                     finish = FinishReason.STOP

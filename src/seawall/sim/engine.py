@@ -35,7 +35,9 @@ TOKEN_BACKLOG_MESSAGE = (
     "The engine has reached its prefill token backlog limit. Please try again later or on a "
     "different instance."
 )
-INJECTED_ERROR_MESSAGE = "The server had an error while processing your request."
+# GenerationError's text: what a request-level engine failure (a KV-load failure, an
+# `errors` fault) gives, 500 before a response starts or as a stream's error event
+INJECTED_ERROR_MESSAGE = "Internal server error"
 
 
 def engine_dead_error() -> ApiError:
