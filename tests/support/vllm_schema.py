@@ -189,13 +189,24 @@ def parse_sse(text: str) -> list[Any]:
     return events
 
 
-def replay(base_url: str, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Send vLLM's case `name` to another server; its answer in `case()`'s form."""
+def replay(
+    base_url: str,
+    name: str,
+    timeout_s: float = 30.0,
+    headers: dict[str, str] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """Send vLLM's case `name` to another server; its answer in `case()`'s form.
+
+    `headers` are added (a gateway's `Authorization`); `model` replaces the captured
+    `sim-model` where the body names it (a gateway serving another model name)."""
     import http.client
     from urllib.parse import urlsplit
 
     req = case(name)["request"]
     body = expand(req["body"])
+    if model is not None and isinstance(body, dict) and body.get("model") == "sim-model":
+        body = {**body, "model": model}
     if isinstance(body, str):
         data: bytes | None = body.encode()
     elif body is None:
@@ -205,7 +216,8 @@ def replay(base_url: str, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
     url = urlsplit(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     try:
-        conn.request(req["method"], req["path"], body=data, headers=req["headers"])
+        conn.request(req["method"], req["path"], body=data,
+                     headers={**req["headers"], **(headers or {})})  # fmt: skip
         resp = conn.getresponse()
         raw = resp.read().decode()
         ctype = resp.getheader("Content-Type") or ""
