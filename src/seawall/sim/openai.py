@@ -15,6 +15,7 @@ Must not: speak HTTP, schedule or step the engine (that is `server`, `scheduler`
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,20 +143,62 @@ def engine_max_tokens(max_model_len: int, requested: int | None, prompt_len: int
     return room if requested is None else min(room, requested)
 
 
-def check_sampling(n: int, temperature: float | None, top_p: float | None, max_tokens: int) -> None:
-    """`SamplingParams._verify_args`, the parts the sim acts on, in its order."""
-    if n < 1:
-        raise p.value_error(f"n must be at least 1, got {n}.")
-    if temperature is not None and temperature < 0.0:
-        raise p.vllm_error(
-            f"temperature must be non-negative, got {temperature}.", "temperature", temperature
-        )
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling fields `SamplingParams._verify_args` checks (None: vLLM's default)."""
+
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+
+
+def check_sampling(s: Sampling, max_tokens: int) -> None:
+    """`SamplingParams._verify_args`, in its order. Checks raised with a parameter get the
+    `(parameter=…, value=…)` suffix and `param`; the others are bare (`param: null`)."""
+    if s.n < 1:
+        raise p.value_error(f"n must be at least 1, got {s.n}.")
+    presence = 0.0 if s.presence_penalty is None else float(s.presence_penalty)
+    if not -2.0 <= presence <= 2.0:
+        raise p.value_error(f"presence_penalty must be in [-2, 2], got {presence}.")
+    frequency = 0.0 if s.frequency_penalty is None else float(s.frequency_penalty)
+    if not -2.0 <= frequency <= 2.0:
+        raise p.value_error(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+    repetition = 1.0 if s.repetition_penalty is None else float(s.repetition_penalty)
+    if not math.isfinite(repetition):
+        raise p.value_error(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise p.value_error(f"repetition_penalty must be greater than zero, got {repetition}.")
+    temperature = 1.0 if s.temperature is None else float(s.temperature)
+    if not math.isfinite(temperature):
+        raise p.vllm_error(f"temperature must be a finite number, got {temperature}.",
+                           "temperature", temperature)  # fmt: skip
+    if temperature < 0.0:
+        raise p.vllm_error(f"temperature must be non-negative, got {temperature}.",
+                           "temperature", temperature)  # fmt: skip
+    if temperature > 2.0:
+        raise p.vllm_error(f"temperature must be in [0, 2], got {temperature}.",
+                           "temperature", temperature)  # fmt: skip
+    top_p = 1.0 if s.top_p is None else float(s.top_p)
+    if not 0.0 < top_p <= 1.0:
         raise p.vllm_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    top_k = 0 if s.top_k is None else s.top_k
+    if top_k < -1:
+        raise p.value_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = 0.0 if s.min_p is None else float(s.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise p.value_error(f"min_p must be in [0, 1], got {min_p}.")
     if max_tokens < 1:
         raise p.vllm_error(
             f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
         )
+    if s.min_tokens < 0:
+        raise p.value_error(f"min_tokens must be greater than or equal to 0, got {s.min_tokens}.")
 
 
 def check_logprobs_limits(logprobs: int | None, prompt_logprobs: int | None) -> None:

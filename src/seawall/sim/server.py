@@ -353,11 +353,9 @@ class SimServer:
         request: web.Request,
         prompts: list[oa.Prompt],
         *,
-        n: int,
+        sampling: oa.Sampling,
         stream: bool | None,
         stream_options: p.StreamOptions | None,
-        temperature: float | None,
-        top_p: float | None,
         seed: int | None,
         ignore_eos: bool,
         stop: str | list[str] | None,
@@ -373,15 +371,16 @@ class SimServer:
         # SamplingParams are built (and verified) per prompt, then the input processor
         # checks the logprobs limits and the prompt's tokens: vLLM's order
         for prompt in prompts:
-            oa.check_sampling(n, temperature, top_p, prompt.max_tokens)
+            oa.check_sampling(sampling, prompt.max_tokens)
         oa.check_logprobs_limits(logprobs, prompt_logprobs)
         for prompt in prompts:
             oa.check_engine_prompt(prompt.ids)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         include_usage = bool(stream_options and stream_options.include_usage)
+        temperature = sampling.temperature
         return oa.Gen(
             prompts=prompts,
-            n=n,
+            n=sampling.n,
             stream=bool(stream),
             include_usage=include_usage,
             continuous_usage=include_usage
@@ -398,6 +397,20 @@ class SimServer:
             return_token_ids=return_token_ids,
             grammar_cost_s=grammar_cost_s,
             request_id=request_id,
+        )
+
+    @staticmethod
+    def _sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n: int) -> oa.Sampling:
+        return oa.Sampling(
+            n=n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            min_tokens=req.min_tokens,
         )
 
     def _keys(self, gen: oa.Gen) -> list[int]:
@@ -462,11 +475,9 @@ class SimServer:
         gen = self._new_gen(
             request,
             prompts,
-            n=req.n,
+            sampling=self._sampling(req, req.n),
             stream=req.stream,
             stream_options=req.stream_options,
-            temperature=req.temperature,
-            top_p=req.top_p,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop=req.stop,
@@ -512,11 +523,9 @@ class SimServer:
         gen = self._new_gen(
             request,
             [oa.Prompt(ids, text, max_tokens)],
-            n=1 if req.n is None else req.n,
+            sampling=self._sampling(req, 1 if req.n is None else req.n),
             stream=req.stream,
             stream_options=req.stream_options,
-            temperature=req.temperature,
-            top_p=req.top_p,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop=req.stop,
@@ -560,11 +569,9 @@ class SimServer:
         gen = self._new_gen(
             request,
             [oa.Prompt(ids, text, max_tokens)],
-            n=1,
+            sampling=oa.Sampling(temperature=req.temperature, top_p=req.top_p),
             stream=req.stream,
             stream_options=None,
-            temperature=req.temperature,
-            top_p=req.top_p,
             seed=None,
             ignore_eos=False,
             stop=None,
