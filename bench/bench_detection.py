@@ -82,8 +82,8 @@ sys.path.insert(0, str(REPO / "src"))
 import aiohttp
 
 from seawall.auth import hash_key
-from seawall.gateway.metrics import UPSTREAM_ATTEMPTS
 from seawall.loadgen import RequestResult, run_load
+from seawall.metrics import UPSTREAM_ATTEMPTS
 
 LOGS = REPO / "bench" / "results" / "detection-logs"
 MODEL = "sim-model"

@@ -8,9 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ARTIFACTS, free_port, require_binary
+from tests.support.procs import (
+    ARTIFACTS,
+    free_port,
+    require_binary,
+    spawned_mark,
+    stop_spawned_since,
+)
 from tests.support.redis_server import RedisServer
 from tests.support.up import Up, start_up
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Whatever the test body started is stopped when it ends, however it ends: a failed
+    start (a gateway that never became ready) must not leave the sims before it running.
+    Fixtures stop what they start themselves, in their own teardown."""
+    mark = spawned_mark()
+    try:
+        return (yield)
+    finally:
+        stop_spawned_since(mark)
 
 
 @pytest.fixture

@@ -1,9 +1,12 @@
 """Validated gateway configuration. Every default is documented here, once.
 
 The file is YAML. Unknown keys are errors (a typo must not silently fall back to a
-default), and every error names the field, what was given and what is allowed.
-Sections other issues own (tenants, admission, fleet) hang off the same root so that
-one file describes one gateway.
+default), and every error names the field, what was given and what is allowed. Every
+section, tenants, tiers, rate limits, admission and the fleet monitor's included, is a
+typed model validated in one pass when the file is parsed: a gateway loads its
+configuration once, and a bad value fails `seawall serve` before anything starts.
+The fleet monitor's own section lives in `seawall.fleet.config`, beside the code that
+reads it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from yarl import URL
 
+from seawall import envref
+from seawall.auth import is_key_hash
+from seawall.fleet.config import FleetMonitorConfig
+from seawall.policy.admission import AdmissionThresholds
+from seawall.policy.limits import TierLimits
+
+DEFAULT_TIER = "default"
+
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
 
@@ -26,7 +37,10 @@ class _Strict(BaseModel):
 class ReplicaConfig(_Strict):
     url: str  # base URL, e.g. http://127.0.0.1:8001 (no trailing /v1)
     model: str | None = None  # served model name; None: discovered from GET /v1/models
-    node: str = "local"  # failure domain of the hardware (a machine, a GPU host)
+    # The hardware this replica shares with others (a machine, a GPU host): K restarts
+    # within the window on one node cordon it. None: the replica is its own failure
+    # domain, so one replica's failures never take another out of service.
+    node: str | None = None
     id: str | None = None  # stable name in metrics and logs; default "r<index>"
     engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
@@ -67,6 +81,11 @@ class RetryConfig(_Strict):
     budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1  # each success earns this much
     budget_min_per_s: Annotated[float, Field(ge=0)] = 1.0  # reserve refill for idle gateways
     budget_reserve_window_s: PositiveSeconds = 10.0  # reserve holds min_per_s * this
+    # Earned tokens expire this long after the success that earned them (Finagle's and
+    # tower's TTL, 10 s there too): a long healthy stretch cannot bank an allowance that
+    # a sudden failure would spend all at once.
+    budget_ttl_s: PositiveSeconds = 10.0
+    budget_max_balance: Annotated[float, Field(ge=0)] = 100.0  # cap on earned tokens
     eject_s: PositiveSeconds = 2.0  # a replica refusing connections is skipped this long
     max_migrations: Annotated[int, Field(ge=0, le=5)] = 2  # mid-stream, for tiers that opt in
 
@@ -103,6 +122,87 @@ class AdminConfig(_Strict):
     token_hash: str | None = None  # "sha256:<hex>" of the admin token (seawall keys new)
 
 
+class TierConfig(_Strict):
+    priority: Annotated[int, Field(ge=0)] = 0  # 0 is the most important; larger sheds first
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # ceiling on max_tokens
+    max_tokens_default: Annotated[int, Field(ge=1)] = 1024  # when the request has none
+    max_tokens_mode: Literal["reject", "clamp"] = "reject"
+    max_concurrent: Annotated[int, Field(ge=1)] | None = None
+    prompt_tokens_per_min: Annotated[int, Field(ge=1)] | None = None
+    requests_per_min: Annotated[int, Field(ge=1)] | None = None
+    timeouts: TimeoutOverrides | None = None
+    migrate: bool = False  # continue a stream on another replica when its replica dies
+
+    def limits(self) -> TierLimits:
+        default = self.max_tokens_default
+        if self.max_tokens is not None:
+            default = min(default, self.max_tokens)
+        return TierLimits(
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens_max=self.max_tokens,
+            max_tokens_default=default,
+            max_tokens_mode=self.max_tokens_mode,
+            max_concurrent=self.max_concurrent,
+            prompt_tokens_per_min=self.prompt_tokens_per_min,
+            requests_per_min=self.requests_per_min,
+            priority=self.priority,
+        )
+
+
+class TenantConfig(_Strict):
+    tier: str = DEFAULT_TIER
+    api_key_hashes: list[str] = Field(default_factory=list)  # from `seawall keys new`
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes_only(cls, keys: list[str]) -> list[str]:
+        for k in keys:
+            if not is_key_hash(k):
+                raise ValueError(
+                    "keys must be hashes ('sha256:<64 hex>', printed by `seawall keys new`); "
+                    "never put a raw API key in the configuration"
+                )
+        return keys
+
+
+class RateLimitConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    fail_mode: Literal["open", "closed"] = "open"  # when Redis is unreachable
+    key_prefix: str = "seawall:limits:"
+
+
+class AdmissionConfig(_Strict):
+    enabled: bool = True
+    kv_usage_max: Annotated[float, Field(gt=0, le=1)] = 0.9
+    waiting_max: Annotated[float, Field(ge=0)] = 5
+    preemption_rate_max_per_s: Annotated[float, Field(gt=0)] = 2.0
+    metrics_max_age_s: Annotated[float, Field(gt=0)] = 5.0
+    inflight_max: Annotated[int, Field(ge=1)] | None = None  # per replica, gateway's own count
+    # In-flight prompt + max_tokens may reserve this fraction of a replica's KV cache (read
+    # from vLLM's cache_config_info); 1.0 = no preemption even if all run to max_tokens,
+    # more overcommits on requests stopping early; null disables. See policy/admission.py.
+    kv_reserve_max: Annotated[float, Field(gt=0)] | None = 1.0
+    queue_max: Annotated[int, Field(ge=0)] = 64
+    queue_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    lowest_priority_to_queue: Annotated[int, Field(ge=0)] = 0
+    tokenizers: dict[str, str] = Field(default_factory=dict)  # model -> tokenizer.json
+
+    def thresholds(self) -> AdmissionThresholds:
+        return AdmissionThresholds(
+            kv_usage_max=self.kv_usage_max,
+            waiting_max=self.waiting_max,
+            preemption_rate_max_per_s=self.preemption_rate_max_per_s,
+            metrics_max_age_s=self.metrics_max_age_s,
+            inflight_max=self.inflight_max,
+        )
+
+    @property
+    def reserves_kv(self) -> bool:
+        return self.enabled and self.kv_reserve_max is not None
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
@@ -113,12 +213,13 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     drain: DrainConfig = DrainConfig()
     admin: AdminConfig = AdminConfig()
-    # Sections owned by later layers; validated by their own models when they load.
-    tenants: dict[str, Any] = Field(default_factory=dict)
-    tiers: dict[str, Any] = Field(default_factory=dict)
-    admission: dict[str, Any] = Field(default_factory=dict)
-    ratelimit: dict[str, Any] = Field(default_factory=dict)
-    fleet: dict[str, Any] = Field(default_factory=dict)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    # The `default` tier always exists (requests of an open gateway get it); configure
+    # it like any other to change its limits.
+    tiers: dict[str, TierConfig] = Field(default_factory=dict)
+    admission: AdmissionConfig = AdmissionConfig()
+    ratelimit: RateLimitConfig = RateLimitConfig()
+    fleet: FleetMonitorConfig = FleetMonitorConfig()
     seed: int | None = None  # for the balancer's random choices; None = from the OS
 
     @model_validator(mode="after")
@@ -128,6 +229,19 @@ class GatewayConfig(_Strict):
                 "admin.enabled needs admin.token_hash (the admin API has its own credential; "
                 "make one with `seawall keys new --tenant admin`)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _default_tier(self) -> GatewayConfig:
+        if DEFAULT_TIER not in self.tiers:
+            # Frozen model: set the field on the validated instance itself.
+            object.__setattr__(self, "tiers", {**self.tiers, DEFAULT_TIER: TierConfig()})
+        for name, t in self.tenants.items():
+            if t.tier not in self.tiers:
+                raise ValueError(
+                    f"tenants.{name}.tier: unknown tier {t.tier!r}; "
+                    f"defined tiers: {sorted(self.tiers)}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -148,17 +262,28 @@ class ConfigError(Exception):
 
 
 def _model_at(root: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
-    """The schema model that holds the field at `loc` (for listing allowed fields)."""
+    """The schema model that holds the field at `loc` (for listing allowed fields).
+
+    A part that names a field descends into its model; a mapping's key or a list's index
+    (`tiers.gold`, `replicas.0`) descends into the model of its values."""
     model = root
+    container = False  # the previous part named a dict or list of models
     for part in loc[:-1]:
+        if container:
+            container = False
+            continue
         field = model.model_fields.get(str(part))
-        annotation = field.annotation if field is not None else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        origin = getattr(annotation, "__origin__", None)
         candidates = getattr(annotation, "__args__", (annotation,))
         nested = next(
             (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
         )
         if nested is None:
-            return None if isinstance(part, str) and part not in model.model_fields else model
+            return model
+        container = origin in (dict, list)
         model = nested
     return model
 
@@ -174,7 +299,11 @@ def format_validation_error(
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
         loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
-        where = ".".join(str(p) for p in loc) or "(top level)"
+        where = ".".join(str(p) for p in loc)
+        if not where:
+            # A rule across fields: its message names the fields itself.
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+            continue
         if e["type"] == "extra_forbidden":
             holder = _model_at(root, loc) if root is not None else None
             allowed = f"; allowed: {', '.join(holder.model_fields)}" if holder else ""
@@ -192,6 +321,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    data = envref.resolve_config(data, source, ConfigError)  # os.environ/NAME and ${NAME}
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:

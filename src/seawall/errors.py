@@ -8,6 +8,7 @@ the OpenAI SDK maps to its exception classes by status code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,11 @@ ERROR_TYPES: dict[int, str] = {
     503: "ServiceUnavailableError",
     504: "GatewayTimeout",
 }
+
+
+# Codes of refusals a client's own retry cannot help with although their status says
+# "later": the gateway has already retried as far as the fleet-wide budget allows.
+_FINAL_CODES = frozenset({"retry_budget_exhausted"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +64,36 @@ class ApiError(Exception):
     def json_bytes(self) -> bytes:
         return self.raw if self.raw is not None else orjson.dumps(self.body())
 
+    @property
+    def client_may_retry(self) -> bool:
+        """Whether a client's retry can help, as the `x-should-retry` header tells the
+        OpenAI SDKs (which otherwise retry every 5xx on their own, on top of the
+        gateway's retries). Yes for a refusal that is about now (429: a limit or a
+        saturated fleet; 503: draining, no replica yet), with Retry-After saying when.
+        No for the rest: the request itself is at fault (4xx), or the gateway has
+        already tried the replicas it could (502, 504, an engine's 5xx), or the
+        fleet-wide retry budget is spent."""
+        return self.status in (429, 503) and self.code not in _FINAL_CODES
+
+    def response_headers(self) -> dict[str, str]:
+        return {
+            **self.headers,
+            "Content-Type": self.content_type,
+            "x-should-retry": "true" if self.client_may_retry else "false",
+        }
+
     def sse_event(self) -> bytes:
         """The mid-stream error event, followed by `[DONE]`, as vLLM sends it."""
         return b"data: " + self.json_bytes() + b"\n\ndata: [DONE]\n\n"
+
+
+def clip(client_text: str, limit: int = 100) -> str:
+    """A client's string as it may appear in an error message or a log field: cut to
+    `limit` characters, so that what a client sends can never make an answer or a log
+    line large."""
+    if len(client_text) <= limit:
+        return client_text
+    return client_text[:limit] + f"... ({len(client_text)} characters)"
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -68,18 +101,23 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 def rate_limited(message: str, retry_after_s: float, code: str | None = None) -> ApiError:
-    return ApiError(
-        429, message, code=code, headers={"Retry-After": str(retry_after_header(retry_after_s))}
-    )
+    return ApiError(429, message, code=code, headers=retry_after_headers(retry_after_s))
 
 
 def unavailable(
     message: str, retry_after_s: float | None = None, code: str | None = None
 ) -> ApiError:
-    headers = (
-        {} if retry_after_s is None else {"Retry-After": str(retry_after_header(retry_after_s))}
-    )
+    headers = {} if retry_after_s is None else retry_after_headers(retry_after_s)
     return ApiError(503, message, code=code, headers=headers)
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """`Retry-After` in whole seconds (RFC 9110), and `retry-after-ms`, which the OpenAI
+    SDKs prefer, for waits that whole seconds would round up a long way (0.2 s -> 1 s)."""
+    return {
+        "Retry-After": str(retry_after_header(seconds)),
+        "retry-after-ms": str(max(1, math.ceil(seconds * 1000))),
+    }
 
 
 def retry_after_header(seconds: float) -> int:

@@ -22,7 +22,7 @@ from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor, Observed, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration
@@ -69,12 +69,13 @@ class RespawnActuator:
         self.procs[replica_id] = proc
         return proc
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
         self.restarts.append((replica.replica_id, reason))
         old = self.procs[replica.replica_id]
         await asyncio.to_thread(old.stop, 2.0)
         assert old.port is not None
         self.start(replica.replica_id, old.port, *self.extra_args)
+        return True
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         await asyncio.to_thread(self.procs[replica.replica_id].stop, grace_s)
@@ -332,3 +333,48 @@ async def test_a_fatal_xid_on_the_sim_gpu_cordons_its_node_without_a_restart(
         assert actuator.cordons[0].reasons == ("gpu 0: xid 79",)
         assert view_of(monitor).state == "cordoned" and not routable(monitor)
         assert actuator.restarts == []
+
+
+async def test_restarts_of_a_replica_without_a_node_cordon_that_replica_alone(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    specs = [
+        ReplicaSpec(rid, start_sim(actuator, rid).url, model="m", engine="vllm")
+        for rid in ("r0", "r1")
+    ]
+    config = fast_config(tmp_path, restart_limit=2)
+    async with FleetMonitor(config, specs, actuator=actuator) as monitor:
+        for n in range(2):
+            await until(lambda: routable(monitor, "r0"), f"r0 ready before failure {n + 1}")
+            await fault(specs[0].url, {"kind": "engine_dead", "grace_s": 30})
+            await until(lambda n=n: len(actuator.restarts) == n + 1, f"restart {n + 1}")
+        await until(lambda: bool(actuator.cordons), "r0's domain cordoned")
+        assert [e.node for e in actuator.cordons] == ["replica:r0"]
+        assert view_of(monitor, "r0").state == "cordoned"
+        # The replica that never failed is untouched, now and after a while.
+        for _ in range(10):
+            assert routable(monitor, "r1") and view_of(monitor, "r1").state == "ready"
+            await asyncio.sleep(0.1)
+
+
+async def test_after_an_uncordon_only_new_restarts_count_towards_the_next(
+    tmp_path: Path, actuator: RespawnActuator
+) -> None:
+    spec = start_sim(actuator)
+    config = fast_config(tmp_path, restart_limit=2)
+
+    async def fail_once(monitor: FleetMonitor, n: int) -> None:
+        await until(lambda: routable(monitor), f"ready before failure {n}")
+        await fault(spec.url, {"kind": "engine_dead", "grace_s": 30})
+        await until(lambda: len(actuator.restarts) == n, f"restart {n}")
+
+    async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+        await fail_once(monitor, 1)
+        await fail_once(monitor, 2)
+        await until(lambda: view_of(monitor).state == "cordoned", "cordoned")
+        await monitor.uncordon("n1")  # the operator checked the node
+        await until(lambda: len(actuator.restarts) == 3, "uncordon gave it a fresh process")
+        await fail_once(monitor, 4)
+        # One restart after the uncordon is not two: back to ready, not cordoned again.
+        await until(lambda: routable(monitor), "back after one restart")
+        assert len(actuator.cordons) == 1 and view_of(monitor).state == "ready"

@@ -21,7 +21,7 @@ from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Endpoint
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 
 pytestmark = pytest.mark.integration
 
@@ -99,8 +99,9 @@ class RecordingActuator:
     cordons: list[Evidence] = field(default_factory=list)
     uncordons: list[str] = field(default_factory=list)
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
         self.restarts.append((replica.replica_id, reason))
+        return True
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         return None

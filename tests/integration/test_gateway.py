@@ -324,7 +324,7 @@ def test_unknown_model_and_no_usable_replica(artifacts: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     gw = start_gateway(artifacts, [dead], {"replicas": []}, wait_ready=False)
     with running(gw):
-        assert httpx.get(gw.url + "/readyz").status_code == 503
+        assert httpx.get(gw.url + "/readyz?fleet=1").status_code == 503
         r = httpx.post(gw.url + "/v1/completions", json=COMPLETION)
         assert r.status_code == 404  # no replica has ever said it serves this model
     sim = start_sim(artifacts)
@@ -413,7 +413,12 @@ def test_a_slow_client_gets_the_whole_stream_without_the_gateway_buffering_it_al
             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        time.sleep(2.0)  # not reading: the engine finishes long before the client reads
+        # Not reading: the engine finishes long before the client reads.
+        wait_until(
+            lambda: metric_sum(scrape(sim.url), "vllm:request_success_total") >= 1,
+            30,
+            what="the engine to finish the whole answer",
+        )
         sock.settimeout(20)
         raw = b""
         while not raw.endswith(b"0\r\n\r\n"):

@@ -81,7 +81,7 @@ def test_replicas_follow_the_services_dns_records(artifacts: Path) -> None:
     argv = [*prefix, *seawall_argv("serve", "--config", str(config_path))]
     gw = spawn(argv, artifacts / "gateway.log", port=gw_port)
     with running(gw, a, b), httpx.Client(timeout=30) as client:
-        wait_http(f"{gw.url}/readyz", timeout=20, proc=gw)
+        wait_http(f"{gw.url}/readyz?fleet=1", timeout=20, proc=gw)
 
         def send(n: int) -> None:
             for _ in range(n):

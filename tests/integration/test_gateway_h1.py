@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from seawall.gateway.h1 import IDLE_TTL_S, BrokenResponse, ConnectFailed, Endpoint, H1Pool
+from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt
 from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, open_attempt
 from seawall.protocol.openai import parse
@@ -227,8 +228,18 @@ async def test_a_replica_that_redirects_is_a_retryable_misconfiguration(pool: H1
         replica = Replica("r0", f"http://{ep.host_header}", MODEL, "node-0")
         req = parse("completions", body(stream=True))
         with pytest.raises(AttemptFailed) as failed:
-            await open_attempt(pool, replica, req, req.body_bytes(), "req-1", 5.0, "ttft_timeout")
-        assert failed.value.outcome == "redirect" and failed.value.retryable
+            await open_attempt(
+                pool,
+                replica,
+                "/v1/completions",
+                req,
+                req.body_bytes(),
+                "req-1",
+                5.0,
+                Attempt.ttft_timeout,
+            )
+        assert failed.value.outcome is Attempt.redirect
+        assert ATTEMPT_RULES[Attempt.redirect].retryable
         assert "https://engines.internal/v1/completions" in failed.value.message
 
 

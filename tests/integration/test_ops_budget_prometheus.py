@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from tests.support.procs import free_port, require_binary, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration

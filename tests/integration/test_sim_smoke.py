@@ -94,7 +94,9 @@ def test_openai_sdk_streams_and_non_streams_with_consistent_usage_and_metrics(si
     import urllib.request
 
     with urllib.request.urlopen(sim.url + "/metrics") as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert r.headers["Content-Type"].startswith(
+            "text/plain; version=1.0.0"
+        )  # vLLM 0.33 with prometheus_client 0.26
         samples = _samples(r.read().decode())
     labels = "{engine=0,model_name=m1}"
     assert samples["vllm:generation_tokens_total" + labels] == 8 + 8 + 4 + 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import re
 import time
@@ -15,9 +16,12 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
+from tests.support.procs import Proc, bound_port, free_port, seawall_argv, spawn, wait_http
 
 MODEL = "sim-model"
+
+
+_SEQ = itertools.count()
 
 
 def start_sim(
@@ -27,22 +31,31 @@ def start_sim(
     faults: bool = True,
     wait: bool = True,
     model: str = MODEL,
+    port: int | None = None,
 ) -> Proc:
-    port = free_port()
+    """A `seawall sim` on loopback. It binds port 0 and reports the port it got, unless
+    `port` is given, or `wait=False` (the caller needs the address before it is bound)."""
+    if port is None and not wait:
+        port = free_port()
     argv = seawall_argv(
         "sim",
         "--host",
         "127.0.0.1",
         "--port",
-        str(port),
+        str(port or 0),
         "--model",
         model,
         *(["--enable-faults"] if faults else []),
         *extra,
     )
-    proc = spawn(argv, log_dir / f"{name}-{port}.log", port=port)
+    proc = spawn(argv, log_dir / f"{name}-{next(_SEQ)}.log", port=port)
     if wait:
-        wait_http(f"{proc.url}/health", timeout=20, proc=proc)
+        try:
+            bound_port(proc, b"seawall sim: serving")
+            wait_http(f"{proc.url}/health", timeout=20, proc=proc)
+        except BaseException:
+            proc.stop()
+            raise
     return proc
 
 
@@ -53,8 +66,8 @@ def start_gateway(
     wait_ready: bool = True,
     name: str = "gateway",
 ) -> Proc:
-    port = free_port()
-    cfg: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": port}, **(config or {})}
+    seq = next(_SEQ)
+    cfg: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": 0}, **(config or {})}
     cfg["replicas"] = [
         {
             "url": r if isinstance(r, str) else r.url,
@@ -66,16 +79,19 @@ def start_gateway(
     ] + list(cfg.get("replicas", []))
     # A copy: callers pass shared dicts, and the ledger path is this gateway's own.
     fleet = cfg["fleet"] = dict(cfg.get("fleet") or {})
-    fleet.setdefault("ledger_path", str(log_dir / f"{name}-{port}-ledger.sqlite"))
-    path = log_dir / f"{name}-{port}.yaml"
+    fleet.setdefault("ledger_path", str(log_dir / f"{name}-{seq}-ledger.sqlite"))
+    path = log_dir / f"{name}-{seq}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = spawn(
-        seawall_argv("serve", "--config", str(path)), log_dir / f"{name}-{port}.log", port=port
-    )
+    proc = spawn(seawall_argv("serve", "--config", str(path)), log_dir / f"{name}-{seq}.log")
     proc.extra["config_path"] = path
-    wait_http(f"{proc.url}/healthz", timeout=20, proc=proc)
-    if wait_ready:
-        wait_http(f"{proc.url}/readyz", timeout=20, proc=proc)
+    try:
+        bound_port(proc, b"seawall gateway listening")
+        wait_http(f"{proc.url}/healthz", timeout=20, proc=proc)
+        if wait_ready:
+            wait_http(f"{proc.url}/readyz?fleet=1", timeout=20, proc=proc)
+    except BaseException:
+        proc.stop()  # a gateway that did not come up is not left behind
+        raise
     return proc
 
 

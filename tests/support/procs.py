@@ -1,13 +1,20 @@
 """Real processes on loopback for integration tests: ports, subprocesses, readiness waits.
 
-Every integration test starts what it needs through here, so a test never leaves a
-process behind (each `Proc` is killed at fixture teardown) and never talks to anything
-but 127.0.0.1.
+Every integration test starts what it needs through here, so a test never talks to
+anything but 127.0.0.1 and never leaves a process behind: every `Proc` is registered
+when spawned, and whatever a test body spawned is stopped when the test ends, however it
+ends (`tests/conftest.py`), even when a later start failed before the test could enter
+its own `running(...)` block.
+
+Seawall's own processes bind port 0 and print the address they got (`bound_port`), so
+no port is picked by the test and then raced for; `free_port` remains for third-party
+servers that cannot report theirs, and for tests that need a port nothing listens on.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -90,6 +97,9 @@ class Proc:
             return ""
 
 
+_SPAWNED: list[Proc] = []
+
+
 def spawn(
     argv: Sequence[str], log_path: Path, port: int | None = None, env: dict[str, str] | None = None
 ) -> Proc:
@@ -100,7 +110,39 @@ def spawn(
         list(argv), stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
     )
     fh.close()
-    return Proc(list(argv), popen, log_path, port)
+    proc = Proc(list(argv), popen, log_path, port)
+    _SPAWNED.append(proc)
+    return proc
+
+
+def spawned_mark() -> int:
+    return len(_SPAWNED)
+
+
+def stop_spawned_since(mark: int) -> None:
+    """Stop every process spawned after `mark` that is still running, newest first."""
+    for proc in reversed(_SPAWNED[mark:]):
+        proc.stop()
+    del _SPAWNED[mark:]
+
+
+_BOUND = re.compile(rb"on http://127\.0\.0\.1:(\d+)")
+
+
+def bound_port(proc: Proc, marker: bytes, timeout: float = 20.0) -> int:
+    """The port a child bound itself, from the first log line containing `marker` and
+    `on http://127.0.0.1:PORT`. Fails with the log if the child exits or never says."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in proc.log_path.read_bytes().splitlines():
+            if marker in line and (m := _BOUND.search(line)):
+                proc.port = int(m.group(1))
+                return proc.port
+        if not proc.alive():
+            raise AssertionError(f"process exited ({proc.popen.returncode}):\n{proc.log()[-4000:]}")
+        time.sleep(0.02)
+    proc.stop()
+    raise AssertionError(f"no '{marker.decode()}' address after {timeout}s:\n{proc.log()[-4000:]}")
 
 
 def seawall_argv(*args: str) -> list[str]:

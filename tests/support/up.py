@@ -88,7 +88,7 @@ def start_up(
     )
     handle = Up(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{admin_port}")
     try:
-        wait_http(handle.api + "/readyz", timeout=60, proc=proc)
+        wait_http(handle.api + "/readyz?fleet=1", timeout=60, proc=proc)
         wait_until(lambda: len(handle.routable()) == replicas, 30, what="routable replicas")
     except BaseException:
         proc.stop()

@@ -108,7 +108,7 @@ async def test_restart_deletes_the_named_pod(
 ) -> None:
     fake, actuator = api
     ref = ReplicaRef("r1", "http://10.0.0.7:8000", "n1", pod="vllm-0", namespace="prod")
-    await actuator.restart(ref, "hang")
+    assert await actuator.restart(ref, "hang")  # True: a restart is under way
     [req] = fake.requests
     assert (req.method, req.path) == ("DELETE", "/api/v1/namespaces/prod/pods/vllm-0")
     assert req.content_type.startswith("application/json")
@@ -193,3 +193,14 @@ async def test_a_concurrent_node_change_is_retried(
     methods = [r.method for r in fake.requests]
     assert methods == ["GET", "PATCH", "GET", "PATCH", "POST"]
     assert fake.taints[-1]["key"] == "seawall.io/hardware"
+
+
+async def test_a_replica_known_without_its_node_is_never_node_cordoned(
+    api: tuple[FakeApiServer, KubernetesActuator],
+) -> None:
+    """DNS discovery names no node: the replica is its own failure domain, and there is
+    no Node object to mark for it (a PATCH of `nodes/replica:...` would only fail)."""
+    fake, actuator = api
+    await actuator.cordon("replica:10.0.0.7:8000", Evidence("replica:10.0.0.7:8000", ("x",)))
+    await actuator.uncordon("replica:10.0.0.7:8000")
+    assert fake.requests == []

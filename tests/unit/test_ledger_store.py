@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from seawall.actuate.base import Evidence
-from seawall.state.ledger import RestartLedger, RestartRecord
+from seawall.state.ledger import RecordKind, RestartLedger, RestartRecord
 
 
 async def test_restarts_are_found_by_node_and_time_window(tmp_path: Path) -> None:
@@ -59,4 +60,47 @@ async def test_cordoning_twice_keeps_the_first_time(tmp_path: Path) -> None:
     record = (await ledger.cordoned_nodes())["n1"]
     assert record.since_wall == since
     assert record.evidence.reasons == ("second",)
+    await ledger.close()
+
+
+async def test_failures_are_kept_apart_from_restarts(tmp_path: Path) -> None:
+    ledger = RestartLedger(tmp_path / "ledger.sqlite")
+    failure = RestartRecord("replica:r0", "r0", "health check failed", 10.0, RecordKind.failure)
+    await ledger.record(failure)
+    await ledger.record(RestartRecord("replica:r0", "r0", "stuck", 20.0))
+    assert [r.reason for r in await ledger.restarts("replica:r0", 0.0)] == ["stuck"]
+    assert await ledger.failures("replica:r0", 0.0) == [failure]
+    await ledger.close()
+
+
+async def test_an_uncordon_is_remembered(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    ledger = RestartLedger(path)
+    assert await ledger.uncordoned_at("n1") is None
+    await ledger.set_cordoned("n1", True, Evidence("n1", ("3 restarts",)))
+    await ledger.set_cordoned("n1", False)
+    at = await ledger.uncordoned_at("n1")
+    await ledger.close()
+    reopened = RestartLedger(path)
+    assert at is not None and await reopened.uncordoned_at("n1") == at
+    assert await reopened.cordoned_nodes() == {}
+    await reopened.close()
+
+
+async def test_a_version_1_ledger_keeps_its_rows_as_restarts(tmp_path: Path) -> None:
+    path = tmp_path / "v1.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE restarts (at_wall REAL NOT NULL, node TEXT NOT NULL,"
+        " replica_id TEXT NOT NULL, reason TEXT NOT NULL);"
+        "CREATE TABLE cordons (node TEXT PRIMARY KEY, since_wall REAL NOT NULL,"
+        " evidence TEXT NOT NULL);"
+        "INSERT INTO restarts VALUES (5.0, 'n1', 'r1', 'hang');"
+        "PRAGMA user_version=1;"
+    )
+    db.close()
+    ledger = RestartLedger(path)
+    assert await ledger.restarts("n1", 0.0) == [RestartRecord("n1", "r1", "hang", 5.0)]
+    await ledger.record(RestartRecord("n1", "r1", "hang", 6.0, RecordKind.failure))
+    assert len(await ledger.failures("n1", 0.0)) == 1
     await ledger.close()

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from seawall.state.backends import open_limits_backend
 from seawall.state.limits import (
     Denied,
     Lease,
     MemoryLimits,
     TenantLimits,
     denied_error,
-    open_limits_backend,
 )
 
 

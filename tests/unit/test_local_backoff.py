@@ -1,4 +1,4 @@
-"""The local supervisor's pure parts: crash-loop backoff, startup allowance, command templates."""
+"""The local supervisor's pure parts: crash-loop backoff and command templates."""
 
 from __future__ import annotations
 
@@ -6,12 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from seawall.actuate.local import (
-    BackoffPolicy,
-    plan_restart,
-    render_command,
-    startup_expired,
-)
+from seawall.actuate.local import BackoffPolicy, plan_restart, render_command
 
 POLICY = BackoffPolicy(initial_s=1.0, max_s=60.0, reset_after_s=120.0)
 
@@ -47,11 +42,6 @@ def test_backoff_stays_between_initial_and_max_and_never_shrinks_in_a_loop(
     assert POLICY.initial_s <= plan.delay_s <= POLICY.max_s
     if up_for_s < POLICY.reset_after_s:
         assert plan.delay_s >= plan_restart(POLICY, max(streak - 1, 0), up_for_s).delay_s
-
-
-def test_startup_allowance_expires_exactly_at_the_allowance() -> None:
-    assert not startup_expired(started_at=100.0, allowance_s=600.0, now=699.9)
-    assert startup_expired(started_at=100.0, allowance_s=600.0, now=700.0)
 
 
 def test_command_template_fills_port_model_replica_and_index() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from seawall import metrics as m
 from seawall.fleet.adapters import ADAPTERS, EngineKind
-from seawall.gateway import metrics as m
 from seawall.ops import rules
 from seawall.ops.alerts_cli import _command_line
 from seawall.ops.drift import find_drift

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from seawall.gateway.metrics import Metrics
+from seawall.metrics import Metrics
 from seawall.ops.domains import DOMAINS, live_states
 from seawall.ops.promql import exposed_sample_names, metric_names
 from tests.support.golden import GOLDEN_SCRAPE

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from seawall.policy.ledger import RestartRecord, should_cordon
+from seawall.policy.ledger import RestartRecord, failure_domain, names_a_node, should_cordon
 
 
 def test_third_restart_in_ten_minutes_cordons() -> None:
@@ -50,4 +50,22 @@ def test_more_restarts_or_a_wider_window_never_uncordon(
         assert should_cordon(times, now, k, window_s * 2)
     assert should_cordon(times, now, k, window_s) == (
         sum(1 for t in times if now - window_s <= t) >= k
+    )
+
+
+def test_a_replica_without_a_node_is_its_own_failure_domain() -> None:
+    assert failure_domain("gpu-3", "r0") == "gpu-3"
+    assert failure_domain(None, "r0") == "replica:r0"
+    assert failure_domain("", "r0") == "replica:r0"
+    assert failure_domain(None, "r0") != failure_domain(None, "r1")
+    assert names_a_node("gpu-3") and not names_a_node("replica:r0")
+
+
+def test_restarts_before_the_last_uncordon_no_longer_count() -> None:
+    history = [100.0, 200.0, 300.0]
+    assert should_cordon(history, now=300.0, k=3, window_s=3600)
+    # The operator uncordoned at 350: the next restart is the first that counts again.
+    assert not should_cordon([*history, 400.0], now=400.0, k=3, window_s=3600, uncordoned_at=350)
+    assert should_cordon(
+        [*history, 400.0, 500.0, 600.0], now=600.0, k=3, window_s=3600, uncordoned_at=350
     )

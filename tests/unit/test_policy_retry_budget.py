@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -81,3 +82,44 @@ def test_withdrawals_are_bounded_by_deposits_reserve_and_time(
         assert budget.level(now) >= 0.0
     bound = ratio * deposits + min_per_s * reserve_window_s + min_per_s * now
     assert withdrawals <= bound + 1e-9 * (withdrawals + 1) + 1e-9 * deposits
+
+
+def test_earned_tokens_expire_after_the_ttl() -> None:
+    # Issue 12 bug 4: a long healthy stretch must not bank an allowance that a sudden
+    # failure spends all at once. 10,000 successes over 100 s, then trouble at 200 s:
+    # only the reserve is left, because every earned token has aged out.
+    budget = RetryBudget(ratio=0.1, min_per_s=1.0, reserve_window_s=10.0, now=0.0, ttl_s=10.0)
+    for i in range(10_000):
+        budget.deposit(now=i / 100)
+    assert budget.level(100.0) > 10.0  # the last 10 s of successes still count
+    spent = sum(budget.try_withdraw(now=200.0) for _ in range(1000))
+    assert spent == 10  # the reserve's capacity, and nothing banked
+
+
+def test_recent_successes_still_pay_for_retries() -> None:
+    budget = RetryBudget(ratio=0.1, min_per_s=0.0, now=0.0, ttl_s=10.0)
+    for _ in range(50):
+        budget.deposit(now=100.0)
+    assert sum(budget.try_withdraw(now=105.0) for _ in range(100)) == 5
+    for _ in range(50):
+        budget.deposit(now=105.0)
+    # The deposits of 105 s are still there at 114 s, gone by 115 s.
+    assert budget.level(114.0) == pytest.approx(5.0)
+    assert budget.level(115.0) == 0.0
+
+
+def test_withdrawals_take_the_oldest_tokens_first() -> None:
+    budget = RetryBudget(ratio=1.0, min_per_s=0.0, now=0.0, ttl_s=10.0)
+    budget.deposit(now=0.0)
+    budget.deposit(now=5.0)
+    assert budget.try_withdraw(now=6.0)
+    # The one left is the 5 s deposit, which lives until 15 s.
+    assert budget.level(12.0) == 1.0
+    assert budget.level(15.0) == 0.0
+
+
+def test_max_balance_and_ttl_come_from_the_config() -> None:
+    from seawall.config import parse_config
+
+    retry = parse_config({"retry": {"budget_max_balance": 7, "budget_ttl_s": 30}}).retry
+    assert (retry.budget_max_balance, retry.budget_ttl_s) == (7, 30)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from seawall.gateway.metrics import Metrics
 from seawall.loadgen import RequestResult
+from seawall.metrics import Metrics
 from seawall.up.figures import TrafficTally, histogram_quantile, parse_gateway_metrics
 
 

@@ -3,12 +3,20 @@
 The monitor decides (off the request path); an actuator only carries decisions out.
 Three implementations: `none` (routing changes and records only), `local` (processes
 Seawall started itself) and `kubernetes` (pods and nodes through the API server).
+
+`restart` says whether anything was (or is being) restarted: only real restarts count
+towards cordoning a failure domain (`seawall.policy.ledger`). `cordon` and `uncordon`
+take a failure domain: a node name, or a replica's own domain (`replica:<id>`) for a
+replica configured without a node, which only the actuators that know their replicas
+(the local supervisor) can act on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from seawall.policy.ledger import failure_domain
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,10 +25,15 @@ class ReplicaRef:
 
     replica_id: str
     url: str
-    node: str
+    node: str | None  # None: no node known; the replica is its own failure domain
     model: str = ""
     pod: str | None = None  # Kubernetes pod name, when known
     namespace: str | None = None
+
+    @property
+    def domain(self) -> str:
+        """The failure domain restarts are counted in and cordons apply to."""
+        return failure_domain(self.node, self.replica_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +56,16 @@ class Evidence:
 class Actuator(Protocol):
     name: str
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
-        """Stop the replica's process (or pod) and start it again."""
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
+        """Stop the replica's process (or pod) and start it again. True when a restart
+        happened or is under way; False when nothing was restarted."""
+        ...
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         """SIGTERM (or delete), then kill after `grace_s`."""
 
     async def cordon(self, node: str, evidence: Evidence) -> None:
-        """Stop scheduling replicas on `node`."""
+        """Stop scheduling replicas in failure domain `node`."""
 
     async def uncordon(self, node: str) -> None: ...
 
@@ -62,8 +77,8 @@ class NoActuator:
 
     name = "none"
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
-        return None
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
+        return False  # nothing restarted: the monitor records a failure, not a restart
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         return None

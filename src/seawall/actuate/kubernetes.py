@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from seawall import clock
 from seawall.actuate.base import Evidence, ReplicaRef
+from seawall.policy.ledger import names_a_node
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,20 @@ class KubernetesActuator:
             await config.load_kube_config()
         return cls(client.ApiClient(), default_namespace)
 
-    async def restart(self, replica: ReplicaRef, reason: str) -> None:
-        """Delete the pod with its normal grace period; its ReplicaSet starts a new one."""
-        await self._delete_pod(replica, grace_s=None, reason=reason)
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
+        """Delete the pod with its normal grace period; its ReplicaSet starts a new one.
+        False when no pod was found for the replica (nothing restarted)."""
+        return await self._delete_pod(replica, grace_s=None, reason=reason)
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         await self._delete_pod(replica, grace_s=grace_s, reason="stop")
 
     async def cordon(self, node: str, evidence: Evidence) -> None:
+        if not names_a_node(node):
+            # A replica found without its node (DNS discovery): there is no Node object
+            # to mark; the monitor keeps the replica itself out of routing.
+            log.warning("not cordoning %s: no Kubernetes node is known for it", node)
+            return
         taint = {"key": TAINT_KEY, "value": TAINT_VALUE, "effect": TAINT_EFFECT}
         uid = await self._patch_node(node, unschedulable=True, add_taint=taint)
         message = "; ".join(evidence.reasons) or "cordoned by seawall"
@@ -87,18 +94,20 @@ class KubernetesActuator:
         await self._event(node, uid, CORDON_REASON, message, "Warning")
 
     async def uncordon(self, node: str) -> None:
+        if not names_a_node(node):
+            return
         uid = await self._patch_node(node, unschedulable=False, add_taint=None)
         await self._event(node, uid, UNCORDON_REASON, "uncordoned by seawall", "Normal")
 
     async def close(self) -> None:
         await self._api_client.close()
 
-    async def _delete_pod(self, replica: ReplicaRef, grace_s: float | None, reason: str) -> None:
+    async def _delete_pod(self, replica: ReplicaRef, grace_s: float | None, reason: str) -> bool:
         namespace = replica.namespace or self.default_namespace
         pod = replica.pod or await self._pod_by_ip(replica, namespace)
         if pod is None:
             log.warning("no pod found for replica %s (%s)", replica.replica_id, replica.url)
-            return
+            return False
         body = self._client.V1DeleteOptions(
             grace_period_seconds=None if grace_s is None else max(0, int(grace_s))
         )
@@ -108,6 +117,7 @@ class KubernetesActuator:
         except self._client.ApiException as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
+        return True
 
     async def _pod_by_ip(self, replica: ReplicaRef, namespace: str) -> str | None:
         """Replicas found through the headless Service are known by IP only."""

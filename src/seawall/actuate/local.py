@@ -1,14 +1,19 @@
 """The local actuator: engine processes Seawall starts and supervises itself.
 
 Owns: starting N replicas from a command template on free loopback ports (one log file
-each), watching them, restarting the ones that die with exponential backoff on crash
-loops, the startup allowance (a loading replica is never restarted before it expires),
-deliberate restarts and stops, the cordon flag for this machine, and leaving no process
-behind on `close()`.
+each), watching their processes, restarting the ones that die with exponential backoff
+on crash loops, deliberate restarts and stops, cordons (of this machine's node, or of
+one replica that is its own failure domain), and leaving no process behind on
+`close()`. It reports process facts as events: `starting` (a process was spawned),
+`exited`, `backoff`, `stopped`.
 
-Must not: decide *whether* a running replica is unhealthy (the fleet monitor does, and
-calls `restart`), route traffic (the gateway does, from `on_change` events), or read the
-clock outside `seawall.clock`. The backoff arithmetic is the pure `plan_restart`.
+Must not: judge readiness or health. Whether a replica serves, whether it is still
+loading or has used up its startup allowance, and whether a running one is unhealthy
+are the fleet monitor's calls (its startup allowance is the one rule): the monitor
+calls `restart`, and `mark_serving` once it finds the replica serving, which is when the
+supervisor shows it `running` (and `wait_running` returns). Must not route traffic (the
+gateway does) or read the clock outside `seawall.clock`. The backoff arithmetic is the
+pure `plan_restart`.
 
 Each replica runs in its own session (process group), so an engine that forks workers
 (vLLM's engine core, tensor-parallel ranks) is stopped as a whole: SIGTERM to the group,
@@ -30,21 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import aiohttp
-
 from seawall import clock
 from seawall.actuate.base import Actuator, Evidence, ReplicaRef
+from seawall.policy.ledger import failure_domain
 
 log = logging.getLogger(__name__)
 
 ReplicaState = Literal["starting", "running", "backoff", "stopped"]
 EventKind = Literal[
-    "starting",  # a process was spawned; not yet routable
-    "running",  # /health answered 200: routable
+    "starting",  # a process was spawned; not yet known to serve
+    "running",  # the fleet monitor found it serving (`mark_serving`)
     "exited",  # the process died without being asked to
     "backoff",  # waiting before the next start of a crash-looping replica
     "stopped",  # stopped on purpose (or held down by a cordon): not coming back by itself
-    "restart_refused",  # a restart was asked for while the replica was still loading
+    "restart_refused",  # a restart was asked for while a crash backoff is running
 ]
 
 DEFAULT_COMMAND: tuple[str, ...] = (
@@ -101,11 +105,6 @@ def plan_restart(policy: BackoffPolicy, crash_streak: int, up_for_s: float) -> R
     return RestartPlan(delay_s=min(delay_s, policy.max_s), crash_streak=streak)
 
 
-def startup_expired(started_at: float, allowance_s: float, now: float) -> bool:
-    """True once a replica that has not answered /health has used up its allowance."""
-    return now - started_at >= allowance_s
-
-
 def render_command(
     template: Sequence[str], *, port: int, model: str, replica: str, index: int
 ) -> list[str]:
@@ -140,7 +139,7 @@ class ReplicaStatus:
     url: str
     port: int
     model: str
-    node: str
+    node: str | None  # None: the replica is its own failure domain
     pid: int | None
     state: ReplicaState
     restarts: int
@@ -178,7 +177,7 @@ class _Replica:
     replica_id: str
     index: int
     model: str
-    node: str
+    node: str | None
     port: int
     url: str
     argv: list[str]
@@ -198,6 +197,10 @@ class _Replica:
     task: asyncio.Task[None] | None = None
     pids: list[int] = field(default_factory=list)
 
+    @property
+    def domain(self) -> str:
+        return failure_domain(self.node, self.replica_id)
+
 
 class LocalSupervisor:
     """`local`: replicas as child processes of this Seawall process.
@@ -213,11 +216,8 @@ class LocalSupervisor:
         *,
         log_dir: Path,
         command: Sequence[str] | None = None,
-        node: str = "local",
+        node: str | None = None,
         env: Mapping[str, str] | None = None,
-        startup_allowance_s: float = 600.0,
-        health_path: str = "/health",
-        health_interval_s: float = 0.25,
         backoff: BackoffPolicy | None = None,
         on_change: Callable[[ReplicaEvent], None] | None = None,
         host: str = "127.0.0.1",
@@ -226,11 +226,8 @@ class LocalSupervisor:
         self.log_dir = Path(log_dir)
         self.command: tuple[str, ...] = tuple(command) if command else DEFAULT_COMMAND
         render_command(self.command, port=0, model="m", replica="r", index=0)  # fail early
-        self.node = node
+        self.node = node  # None: each replica is its own failure domain
         self.env = dict(env or {})
-        self.startup_allowance_s = startup_allowance_s
-        self.health_path = health_path
-        self.health_interval_s = health_interval_s
         self.backoff = backoff or BackoffPolicy()
         self.host = host
         self.stop_grace_s = stop_grace_s
@@ -239,8 +236,7 @@ class LocalSupervisor:
             self._listeners.append(on_change)
         self._replicas: dict[str, _Replica] = {}
         self._next_index = 0
-        self._cordoned: dict[str, Evidence] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._cordoned: dict[str, Evidence] = {}  # failure domain -> why
         self._closed = False
 
     async def __aenter__(self) -> LocalSupervisor:
@@ -281,8 +277,20 @@ class LocalSupervisor:
         """Every pid this supervisor ever started (for checks that nothing is left behind)."""
         return [pid for r in self._replicas.values() for pid in r.pids]
 
-    def is_cordoned(self, node: str) -> bool:
-        return node in self._cordoned
+    def is_cordoned(self, domain: str) -> bool:
+        return domain in self._cordoned
+
+    def mark_serving(self, replica_id: str) -> None:
+        """The fleet monitor found the replica serving since its process started: it is
+        shown `running` (and `wait_running` returns) until the process goes."""
+        rep = self._replicas.get(replica_id)
+        if rep is None or rep.state != "starting":
+            return
+        if rep.proc is None or rep.proc.returncode is not None:
+            return  # the verdict is about a process that is gone
+        rep.state = "running"
+        rep.reason = ""
+        self._emit(rep, "running")
 
     def _status(self, rep: _Replica, now: float) -> ReplicaStatus:
         live = rep.proc is not None and rep.proc.returncode is None
@@ -306,7 +314,8 @@ class LocalSupervisor:
         )
 
     async def wait_running(self, timeout_s: float, replica_ids: Sequence[str] = ()) -> bool:
-        """Wait until every named replica (default: every replica not stopped) is running."""
+        """Wait until every named replica (default: every replica not stopped) is running:
+        spawned, and found serving by the fleet monitor (`mark_serving`)."""
         deadline = clock.monotonic() + timeout_s
         while True:
             wanted = [
@@ -339,7 +348,7 @@ class LocalSupervisor:
         `command` overrides the supervisor's template for this replica only."""
         if self._closed:
             raise RuntimeError("supervisor is closed")
-        if self.is_cordoned(self.node):
+        if self.node is not None and self.is_cordoned(self.node):
             raise CordonedError(f"node {self.node} is cordoned: not starting a replica")
         index = self._next_index
         self._next_index += 1
@@ -393,9 +402,9 @@ class LocalSupervisor:
     async def _supervise(self, rep: _Replica) -> None:
         try:
             while not _stopping(rep):
-                if self.is_cordoned(rep.node):
+                if self.is_cordoned(rep.domain):
                     rep.held_by_cordon = True
-                    rep.reason = f"node {rep.node} cordoned"
+                    rep.reason = f"node {rep.domain} cordoned"
                     break
                 try:
                     await self._spawn(rep)
@@ -417,10 +426,9 @@ class LocalSupervisor:
                 now = clock.monotonic()
                 if exit_code is not None:
                     rep.last_exit_code = exit_code
-                    if not rep.reason.startswith("startup allowance"):
-                        rep.reason = f"exited with code {exit_code}"
+                    rep.reason = f"exited with code {exit_code}"
                     self._emit(rep, "exited", rep.reason)
-                if self.is_cordoned(rep.node):
+                if self.is_cordoned(rep.domain):
                     continue  # the loop's first check holds it down without a backoff wait
                 plan = plan_restart(self.backoff, rep.crash_streak, now - rep.started_at)
                 rep.crash_streak = plan.crash_streak
@@ -447,50 +455,15 @@ class LocalSupervisor:
             self._emit(rep, "stopped", rep.reason)
 
     async def _watch(self, rep: _Replica) -> int:
-        """Until the process exits: move it to running when /health answers, and stop
-        it if it never does within the allowance. Returns the exit code."""
+        """Until the process exits; returns the exit code."""
         proc = rep.proc
         assert proc is not None
-        ready = asyncio.create_task(self._await_ready(rep), name=f"ready-{rep.replica_id}")
-        try:
-            code = await proc.wait()
-        finally:
-            ready.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ready
+        code = await proc.wait()
         # The leader is gone; its workers must not outlive it (nor hold the port the
         # next start needs).
         _killpg(proc.pid, signal.SIGKILL)
         await _group_gone(proc.pid)
         return code
-
-    async def _await_ready(self, rep: _Replica) -> None:
-        session = self._http()
-        url = rep.url + self.health_path
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        while True:
-            if startup_expired(rep.started_at, self.startup_allowance_s, clock.monotonic()):
-                rep.reason = (
-                    f"startup allowance expired: no 200 from {self.health_path} "
-                    f"within {self.startup_allowance_s:g}s"
-                )
-                await self._terminate(rep, self.stop_grace_s)
-                return
-            try:
-                async with session.get(url, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        rep.state = "running"
-                        rep.reason = ""
-                        self._emit(rep, "running")
-                        return
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                pass
-            await asyncio.sleep(self.health_interval_s)
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
 
     async def _terminate(self, rep: _Replica, grace_s: float) -> None:
         """SIGTERM the replica's process group; SIGKILL it after `grace_s`."""
@@ -523,48 +496,43 @@ class LocalSupervisor:
             raise KeyError(f"no local replica {replica.replica_id!r}")
         return rep
 
-    async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> None:
-        """Stop the replica's process and start it again at once (no backoff).
+    async def restart(self, replica: ReplicaRef, reason: str, *, force: bool = False) -> bool:
+        """Stop the replica's process and start it again at once (no backoff). Returns
+        True: a restart happened or is under way (raises `CordonedError` instead when
+        the replica's domain is cordoned).
 
-        Not done (unless `force`), with a `restart_refused` event saying why:
-        - a replica still loading inside its startup allowance: killing a model mid-load
-          only starts the load again from zero;
-        - a replica that crashed and is waiting out its backoff: the supervisor is already
-          restarting it, and skipping the wait would turn a crash loop into a tight loop
-          (the fleet monitor asks for a restart whenever it sees a replica die).
-        A process that has just died on its own is left to the crash path for the same
-        reason. A stopped replica is started again.
+        Whether to restart a loading replica is the fleet monitor's call (its startup
+        allowance). A replica that crashed and is waiting out its backoff is not started
+        early (unless `force`; a `restart_refused` event says so): the supervisor is
+        already restarting it, and skipping the wait would turn a crash loop into a
+        tight loop (the fleet monitor asks for a restart whenever it sees a replica
+        die). A process that has just died on its own is left to the crash path for
+        the same reason. A stopped replica is started again.
         """
         rep = self._get(replica)
         asked = reason or "requested"
-        if self.is_cordoned(rep.node):
-            raise CordonedError(f"node {rep.node} is cordoned: not restarting {rep.replica_id}")
+        if self.is_cordoned(rep.domain):
+            raise CordonedError(f"node {rep.domain} is cordoned: not restarting {rep.replica_id}")
         if rep.task is None or rep.task.done():  # stopped: start it again
             rep.want_stop = False
             rep.held_by_cordon = False
             rep.restarts += 1
             rep.reason = f"restarted: {asked}"
             rep.task = asyncio.create_task(self._supervise(rep), name=f"supervise-{rep.replica_id}")
-            return
-        now = clock.monotonic()
-        if not force:
-            if rep.state == "starting" and not startup_expired(
-                rep.started_at, self.startup_allowance_s, now
-            ):
-                self._emit(rep, "restart_refused", f"still loading (asked: {asked})")
-                return
-            if rep.state == "backoff":
-                self._emit(rep, "restart_refused", f"already restarting (asked: {asked})")
-                return
+            return True
         if rep.state == "backoff":
+            if not force:
+                self._emit(rep, "restart_refused", f"already restarting (asked: {asked})")
+                return True
             rep.restart_requested = asked
             rep.wake.set()
-            return
+            return True
         proc = rep.proc
         if proc is None or proc.returncode is not None:
-            return  # it died on its own just now: the crash path restarts it, with backoff
+            return True  # it died on its own just now: the crash path restarts it
         rep.restart_requested = asked
         await self._terminate(rep, self.stop_grace_s)
+        return True
 
     async def stop(self, replica: ReplicaRef, grace_s: float) -> None:
         """SIGTERM, SIGKILL after `grace_s`; the replica stays listed as `stopped`."""
@@ -582,14 +550,15 @@ class LocalSupervisor:
         self._replicas.pop(replica.replica_id, None)
 
     async def cordon(self, node: str, evidence: Evidence) -> None:
-        """Mark `node` not schedulable: replicas on it that die stay down."""
+        """Mark failure domain `node` (this machine's node, or `replica:<id>`) not
+        schedulable: replicas in it that die stay down."""
         self._cordoned[node] = evidence
 
     async def uncordon(self, node: str) -> None:
         """Schedulable again: replicas held down by the cordon start again."""
         self._cordoned.pop(node, None)
         for rep in self._replicas.values():
-            if rep.node == node and rep.held_by_cordon and (rep.task is None or rep.task.done()):
+            if rep.domain == node and rep.held_by_cordon and (rep.task is None or rep.task.done()):
                 rep.held_by_cordon = False
                 rep.want_stop = False
                 rep.reason = "node uncordoned"
@@ -611,9 +580,6 @@ class LocalSupervisor:
         tasks = [r.task for r in self._replicas.values() if r.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 if TYPE_CHECKING:  # mypy proves the supervisor is an Actuator the monitor can take
@@ -693,5 +659,4 @@ __all__ = [
     "RestartPlan",
     "plan_restart",
     "render_command",
-    "startup_expired",
 ]

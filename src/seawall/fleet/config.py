@@ -25,7 +25,7 @@ class DiscoveryConfig(_Strict):
     """Find replicas behind a Kubernetes headless Service instead of listing them."""
 
     # `dns`: A records of `service.namespace.svc` (no RBAC needed, no node names, so
-    # every replica counts as node "unknown" for the restart ledger). `endpointslices`:
+    # every replica is its own failure domain for the restart ledger). `endpointslices`:
     # the API server, which also names each pod and its node (needs RBAC).
     mode: Literal["dns", "endpointslices"] = "dns"
     service: str
@@ -42,6 +42,7 @@ class FleetMonitorConfig(_Strict):
     # Liveness: GET /health. 1 s so that a dead engine leaves routing within a second.
     liveness_interval_s: PositiveSeconds = 1.0
     liveness_timeout_s: PositiveSeconds = 1.0
+    liveness_path: str = "/health"  # what vLLM, SGLang, TGI and llama.cpp all serve
     # The first failure already takes the replica out of routing; this many in a row
     # count as `health_failed` (a restart), so one lost packet does not restart it.
     liveness_failures_threshold: Annotated[int, Field(ge=1)] = 2
@@ -65,6 +66,11 @@ class FleetMonitorConfig(_Strict):
     # a second streak while degraded -> restart).
     deep_probe_failures_threshold: Annotated[int, Field(ge=1)] = 3
     deep_probe_window: Annotated[int, Field(ge=1)] = 20  # probes in the success ratio
+
+    # A probe that timed out while the monitor's own event loop (the gateway's) stalled
+    # for at least this fraction of its timeout is inconclusive, not a failure: we were
+    # late, not the replica. A quarter: a busy but healthy loop stalls milliseconds.
+    probe_lag_spoils_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
 
     # Progress watchdog: work in flight and no token for this long means stuck. Long
     # enough for the slowest legitimate prefill (a long prompt under load).
@@ -103,4 +109,6 @@ class FleetMonitorConfig(_Strict):
     def _timeouts_fit(self) -> FleetMonitorConfig:
         if self.liveness_timeout_s > self.startup_allowance_s:
             raise ValueError("liveness_timeout_s must not exceed startup_allowance_s")
+        if not self.liveness_path.startswith("/"):
+            raise ValueError("liveness_path must start with '/', e.g. /health")
         return self

@@ -1,24 +1,35 @@
-"""The fleet monitor: probes every replica off the request path, decides, acts, publishes.
+"""The fleet monitor: probes every replica off the request path, feeds the results to the
+pure rules, carries out what they decide, and publishes the fleet view.
 
-Owns the I/O around the pure policies in `seawall.policy`: per replica a liveness loop
-(GET /health, with the startup allowance), a scrape loop (/metrics through the engine
-adapter, feeding the progress watchdog, the storm detector and the health score), a
-deep-probe loop (one real token, jittered, idle replicas more often), and per node an
-optional DCGM loop. Every signal becomes an edge event for the state machine
-(`seawall.policy.health.step`); the transition's actions are carried out here through
-the `Actuator` (drain -> restart -> record in the ledger; K restarts on a node within
-the window -> cordon + hardware ticket). After each change a new immutable
-`FleetSnapshot` is swapped in: `snapshot()` is an attribute read.
+The monitor executes; pure functions decide. This module is the shell around
+`seawall.policy`: it sends the probes and scrapes, reads the gateway's counters and
+the clock, and hands each result to a rule in `policy.replica_rules` (what a probe
+means, when a streak is a failure, when a timeout was our own loop's fault or a busy
+engine's queue, the routing rule and weight). A rule answers with the replica's new
+signal record and edge events; each event goes through the state machine
+(`policy.health.step`) and every action of the transition is executed here, matched
+exhaustively: stop routing (publish now), drain (wait until the gateway has nothing in
+flight on the replica, then report `drained`), restart (through the `Actuator`; only
+a real restart counts towards a cordon, see `policy.ledger`), cordon the failure
+domain (ledger, actuator, hardware ticket) and record (history and log).
+
+Per replica: a liveness loop (GET /health, with the startup allowance), a scrape loop
+(/metrics through the engine adapter: watchdog, storm detector, health score) and a
+deep-probe loop (one real token, jittered, idle replicas more often); per node with
+DCGM configured, a DCGM loop; and one loop-lag sampler that measures how late our own
+event loop runs, so that a probe spoiled by our lateness is inconclusive. After each
+change a new immutable `FleetSnapshot` is swapped in: `snapshot()` is an attribute read.
+The admin presenter (`present.py`), the metrics export (`export.py`, a snapshot
+subscriber) and hardware tickets (`seawall.actuate.tickets`) live elsewhere.
+
+Roles (next: one leader, many followers). Everything a follower would not do (deep
+probes, the watchdog, the ledger, actuation) is started from `_replica_loops` and
+carried out in `_execute`; a follower mode is a choice of loops there and, in
+`_execute`, applying a published view instead of acting.
 
 Must not: sit on the request path (the gateway reads `snapshot()` and never awaits the
-monitor), make decisions that belong to the policies (thresholds are counted here, the
-rules live there), or read time other than through `seawall.clock`.
-
-Routing rule published in each `ReplicaView`: routable when the state routes
-(`health.routable`), the last liveness probe passed (one failure is enough to stop
-sending new work: it is cheap to be wrong for a second), no operator hold, and the node
-is not cordoned. `score` is the health score times the state's routing weight, so a
-degraded replica gets a quarter of the share it would get by its score alone.
+monitor), decide what belongs to the policies, or read time other than through
+`seawall.clock`.
 """
 
 from __future__ import annotations
@@ -29,128 +40,41 @@ import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import aiohttp
 import orjson
 
 from seawall import clock
-from seawall.actuate.base import Actuator, Evidence, NoActuator, ReplicaRef
-from seawall.fleet import probes
+from seawall.actuate.base import Actuator, Evidence, NoActuator
+from seawall.actuate.tickets import HardwareTickets
+from seawall.fleet import present, probes
 from seawall.fleet.adapters import Adapter, EngineKind, adapter_for, detect_engine
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Discovery, Endpoint, watch
-from seawall.fleet.gpu import HEALTHY, DcgmSample, GpuHealth, assess, parse_dcgm
-from seawall.fleet.signals import (
-    GatewaySignals,
-    NoGatewaySignals,
-    Observed,
-    ReplicaSetSignals,
-)
-from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
-from seawall.gateway.metrics import Metrics
+from seawall.fleet.export import FleetMetricFamilies, FleetMetrics
+from seawall.fleet.gpu import HEALTHY, GpuHealth, assess, parse_dcgm
+from seawall.fleet.signals import GatewaySignals, NoGatewaySignals, Observed
+from seawall.fleet.tracked import ReplicaSpec, TrackedDomain, TrackedReplica, TransitionRecord
+from seawall.fleet.view import FleetSnapshot, ReplicaView
 from seawall.policy import health
-from seawall.policy.health import Action, Event, State
-from seawall.policy.ledger import RestartRecord, should_cordon
-from seawall.policy.score import HealthScore, ScoreBreakdown, ScoreInputs
-from seawall.policy.storm import StormDetector, StormState
+from seawall.policy import replica_rules as rules
+from seawall.policy.health import Action, Event, State, Transition
+from seawall.policy.ledger import RecordKind, RestartRecord, should_cordon
+from seawall.policy.replica_rules import PROBED_STATES, Probe, Progress, Step, Verdict
+from seawall.policy.score import HealthScore, ScoreInputs
+from seawall.policy.storm import StormDetector
 from seawall.policy.watchdog import ProgressWatchdog
 from seawall.state.ledger import RestartLedger
 
 log = logging.getLogger(__name__)
 
-# Restarts caused by a failure count towards cordoning the node; an operator's restart,
-# an uncordon and the end of a requested drain do not: they say nothing about hardware.
-_FAILURE_EVENTS = frozenset(
-    {
-        Event.health_failed,
-        Event.startup_timeout,
-        Event.deep_probe_failed_n,
-        Event.stuck,
-        Event.process_exited,
-    }
-)
-_PROBED_STATES = frozenset({State.ready, State.degraded, State.draining})
 # Scrapes that found no /metrics (plain OpenAI servers) or an unknown engine are retried
 # this many intervals apart: the answer rarely changes and the deep probe decides anyway.
 _ABSENT_BACKOFF = 10
-_DRAIN_POLL_S = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaSpec:
-    """One replica to monitor. `model=""` asks GET /v1/models once."""
-
-    replica_id: str
-    url: str
-    model: str = ""
-    node: str = "local"
-    engine: str = "auto"  # auto | vllm | vllm_legacy | sglang | tgi | llamacpp | openai
-    pod: str | None = None
-    namespace: str | None = None
-
-    def ref(self, model: str = "") -> ReplicaRef:
-        return ReplicaRef(
-            self.replica_id, self.url, self.node, model or self.model, self.pod, self.namespace
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class TransitionRecord:
-    """One state change, kept for `describe()` (the admin API shows the last few)."""
-
-    at: float  # monotonic seconds
-    at_wall: float  # unix seconds, for people
-    replica_id: str
-    event: str
-    before: str
-    after: str
-    reason: str
-
-
-@dataclass(eq=False)
-class _Replica:
-    spec: ReplicaSpec
-    started_at: float
-    watchdog: ProgressWatchdog
-    storm: StormDetector
-    deep_results: deque[bool]
-    state: State = State.starting
-    reason: str = "started; waiting for the first healthy probe"
-    model: str = ""
-    held: bool = False  # operator drain without restart
-    adapter: Adapter | None = None
-    scrape_note: str = ""
-    load: EngineLoad | None = None
-    liveness_probes: int = 0
-    liveness_failures: int = 0
-    liveness_error: str = ""
-    deep_streak: int = 0
-    deep_reported: bool = False  # a failure streak was reported and not yet recovered
-    deep_latency_s: float | None = None
-    over_waiting: bool = False
-    breakdown: ScoreBreakdown | None = None
-    restarts: int = 0
-    generation: int = 0  # bumped on restart: results from before are discarded
-    action: asyncio.Task[None] | None = None
-    action_kind: str = ""
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    # After a failure restart that restarted nothing (actuator `none`), a passing /health
-    # proves nothing: a hung engine answers it. Readmit only after a real token.
-    verify_with_deep_probe: bool = False
-    verifying: bool = False
-
-
-@dataclass(eq=False)
-class _Node:
-    name: str
-    cordoned: bool = False
-    since_wall: float | None = None
-    evidence: Evidence | None = None
-    gpu: GpuHealth = HEALTHY
-    dcgm_previous: DcgmSample | None = None
-    task: asyncio.Task[None] | None = None
+# The loop-lag sampler wakes this often. Its resolution does not depend on it (a stall
+# shows as a late wake-up whatever the interval); 20 wake-ups a second cost nothing.
+_LAG_SAMPLE_S = 0.05
 
 
 class FleetMonitor:
@@ -162,7 +86,7 @@ class FleetMonitor:
         replicas: Iterable[ReplicaSpec] = (),
         *,
         actuator: Actuator | None = None,
-        metrics: Metrics | None = None,
+        metrics: FleetMetricFamilies | None = None,
         signals: GatewaySignals | None = None,
         ledger: RestartLedger | None = None,
         session: aiohttp.ClientSession | None = None,
@@ -171,18 +95,27 @@ class FleetMonitor:
     ) -> None:
         self.config = config
         self.actuator: Actuator = actuator or NoActuator()
-        self.metrics = metrics
         self.signals: GatewaySignals = signals or NoGatewaySignals()
+        self._th = _thresholds(config)
         self._ledger = ledger
         self._owns_ledger = ledger is None
         self._session = session
         self._owns_session = session is None
         self._score = score or HealthScore()
         self._rng = rng or random.Random()
-        self._replicas: dict[str, _Replica] = {}
-        self._nodes: dict[str, _Node] = {}
+        self._replicas: dict[str, TrackedReplica] = {}
+        self._domains: dict[str, TrackedDomain] = {}
         self._snapshot = FleetSnapshot()
         self._listeners: list[Callable[[FleetSnapshot], None]] = []
+        self._export = FleetMetrics(metrics) if metrics is not None else None
+        if self._export is not None:
+            self._listeners.append(self._export.on_snapshot)
+        self._tickets = HardwareTickets(
+            config.hardware_ticket_webhook_url,
+            config.webhook_timeout_s,
+            self._export.ticket_opened if self._export is not None else None,
+        )
+        self._lag = rules.LoopLag(_LAG_SAMPLE_S)
         self._background: set[asyncio.Task[None]] = set()
         self._history: deque[TransitionRecord] = deque(maxlen=50)
         self._running = False
@@ -198,28 +131,27 @@ class FleetMonitor:
             self._ledger = RestartLedger(self.config.ledger_path)
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        # Cordons outlive the monitor: a node cordoned before a redeploy stays cordoned,
-        # and its replicas are never routable in between.
-        for node, record in (await self.ledger.cordoned_nodes()).items():
-            n = self._node(node)
-            n.cordoned, n.since_wall, n.evidence = True, record.since_wall, record.evidence
-            if self.metrics is not None:
-                self.metrics.node_cordoned.labels(node).set(1)
+        self._spawn(self._lag_loop())
+        # Cordons outlive the monitor: a domain cordoned before a redeploy stays
+        # cordoned, and its replicas are never routable in between.
+        for name, record in (await self.ledger.cordoned_nodes()).items():
+            d = self._domain(name)
+            d.cordoned, d.since_wall, d.evidence = True, record.since_wall, record.evidence
             # The actuator must know too: a local supervisor would otherwise restart
-            # replicas on a node the ledger says is cordoned.
-            await self.actuator.cordon(node, record.evidence or Evidence(node, ("restored",)))
+            # replicas in a domain the ledger says is cordoned.
+            await self.actuator.cordon(name, record.evidence or Evidence(name, ("restored",)))
         pending, self._pending = self._pending, []
         for spec in pending:
             self.add_replica(spec)
         for node, url in self.config.dcgm.items():
-            self._node(node).task = self._spawn(self._dcgm_loop(node, url))
-        self._publish()
+            self._domain(node).task = self._spawn(self._dcgm_loop(node, url))
+        self._publish(force=True)
 
     async def stop(self) -> None:
         """Cancel every loop and action; close what the monitor opened itself."""
         self._running = False
         tasks = [t for rep in self._replicas.values() for t in rep.tasks]
-        tasks += [n.task for n in self._nodes.values() if n.task is not None]
+        tasks += [d.task for d in self._domains.values() if d.task is not None]
         tasks += list(self._background)
         for t in tasks:
             t.cancel()
@@ -259,74 +191,15 @@ class FleetMonitor:
         self._listeners.append(listener)
 
     def describe(self) -> dict[str, Any]:
-        """What the admin API serves: every replica and node, with the why."""
-        now = clock.monotonic()
-        replicas = []
-        for rep in self._replicas.values():
-            view = self._snapshot.replicas.get(rep.spec.replica_id)
-            ratio = _ratio(rep.deep_results)
-            replicas.append(
-                {
-                    "id": rep.spec.replica_id,
-                    "url": rep.spec.url,
-                    "model": rep.model or rep.spec.model,
-                    "node": rep.spec.node,
-                    "engine": rep.adapter.kind.value if rep.adapter else rep.spec.engine,
-                    "state": rep.state.value,
-                    "reason": rep.reason,
-                    "routable": view.routable if view else False,
-                    "held": rep.held,
-                    "saturated": view.saturated if view else False,
-                    "score": rep.breakdown.total if rep.breakdown else 1.0,
-                    "routing_score": view.score if view else 0.0,
-                    "score_parts": rep.breakdown.factors() if rep.breakdown else {},
-                    "load": _load_dict(rep.load),
-                    "scrape": rep.scrape_note,
-                    "in_flight": self.signals.streams_in_flight(rep.spec.replica_id),
-                    "restarts": rep.restarts,
-                    "liveness": {
-                        "probes": rep.liveness_probes,
-                        "consecutive_failures": rep.liveness_failures,
-                        "last_error": rep.liveness_error,
-                    },
-                    "deep_probe": {
-                        "success_ratio": ratio,
-                        "latency_s": rep.deep_latency_s,
-                        "consecutive_failures": rep.deep_streak,
-                    },
-                    "storm": rep.storm.state.value,
-                    "preemption_rate_per_s": rep.storm.last_rate_per_s,
-                    "up_for_s": now - rep.started_at,
-                }
-            )
-        nodes = [
-            {
-                "node": n.name,
-                "cordoned": n.cordoned,
-                "since_wall": n.since_wall,
-                "evidence": list(n.evidence.reasons) if n.evidence else [],
-                "restarts": [list(r) for r in n.evidence.restarts] if n.evidence else [],
-                "gpu": {
-                    "fatal": n.gpu.fatal,
-                    "reasons": list(n.gpu.reasons),
-                    "warnings": list(n.gpu.warnings),
-                },
-            }
-            for n in self._nodes.values()
-        ]
-        history = [
-            {
-                "at": t.at,
-                "at_wall": t.at_wall,
-                "replica": t.replica_id,
-                "event": t.event,
-                "from": t.before,
-                "to": t.after,
-                "reason": t.reason,
-            }
-            for t in self._history
-        ]
-        return {"replicas": replicas, "nodes": nodes, "transitions": history}
+        """What the admin API serves: every replica and domain, with the why."""
+        return present.describe(
+            self._replicas.values(),
+            self._domains.values(),
+            self._history,
+            self._snapshot,
+            self.signals,
+            clock.monotonic(),
+        )
 
     # ---------------------------------------------------------------- replica set
 
@@ -339,15 +212,19 @@ class FleetMonitor:
             return
         rep = self._new_replica(spec)
         self._replicas[spec.replica_id] = rep
-        node = self._node(spec.node)
-        rep.tasks = [
-            self._spawn(self._liveness_loop(rep), keep=False),
-            self._spawn(self._scrape_loop(rep), keep=False),
-            self._spawn(self._deep_loop(rep), keep=False),
-        ]
-        if node.cordoned:
+        rep.tasks = [self._spawn(loop, keep=False) for loop in self._replica_loops(rep)]
+        if self._domain(spec.domain).cordoned:
             self._fire(rep, Event.cordon, "node is cordoned (kept in the ledger)")
         self._publish()
+
+    def watches(self, replica_id: str) -> bool:
+        """Whether the replica is monitored (or will be, once the monitor starts)."""
+        return replica_id in self._replicas or any(
+            s.replica_id == replica_id for s in self._pending
+        )
+
+    def _replica_loops(self, rep: TrackedReplica) -> list[Coroutine[Any, Any, None]]:
+        return [self._liveness_loop(rep), self._scrape_loop(rep), self._deep_loop(rep)]
 
     def remove_replica(self, replica_id: str) -> None:
         rep = self._replicas.pop(replica_id, None)
@@ -417,20 +294,26 @@ class FleetMonitor:
         await self._cordon(node, (f"cordoned by {reason}",), ticket=False, event=Event.cordon)
 
     async def uncordon(self, node: str) -> None:
-        n = self._node(node)
-        if not n.cordoned:
+        d = self._domain(node)
+        if not d.cordoned:
             return
-        # The actuator first: the local supervisor refuses to start replicas on a
-        # cordoned node, and uncordon restarts them.
+        # The actuator first: the local supervisor refuses to start replicas in a
+        # cordoned domain, and uncordon restarts them.
         await self.actuator.uncordon(node)
+        # Also marks the time: the restarts before an uncordon no longer count.
         await self.ledger.set_cordoned(node, False)
-        n.cordoned, n.since_wall, n.evidence, n.gpu = False, None, None, HEALTHY
-        if self.metrics is not None:
-            self.metrics.node_cordoned.labels(node).set(0)
+        d.cordoned, d.since_wall, d.evidence, d.gpu = False, None, None, HEALTHY
         log.warning("node %s uncordoned", node)
-        for rep in self._on_node(node):
+        for rep in self._in_domain(node):
             self._fire(rep, Event.uncordon, "operator")
         self._publish()
+
+    def notify_process_started(self, replica_id: str) -> None:
+        """For actuators that start processes themselves (the local supervisor): the
+        startup allowance of a starting replica runs from the real start."""
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.signals = rules.on_process_started(rep.signals, rep.state, clock.monotonic())
 
     def notify_process_exited(
         self, replica_id: str, reason: str = "process exited", failure: bool = True
@@ -444,66 +327,46 @@ class FleetMonitor:
 
     # ---------------------------------------------------------------- loops
 
-    async def _liveness_loop(self, rep: _Replica) -> None:
+    async def _lag_loop(self) -> None:
+        """How late our own event loop runs (see `policy.replica_rules.LoopLag`)."""
+        while True:
+            due = clock.monotonic() + _LAG_SAMPLE_S
+            self._lag.expect(due)
+            await asyncio.sleep(_LAG_SAMPLE_S)
+            self._lag.woke(due, clock.monotonic())
+
+    def _probe(
+        self, result: probes.ProbeResult, timeout_s: float, sent_at: float, now: float
+    ) -> Probe:
+        lag_s = self._lag.stalled_s(sent_at, now, now)
+        return Probe(result.ok, result.error, result.latency_s, timeout_s, lag_s)
+
+    async def _liveness_loop(self, rep: TrackedReplica) -> None:
         cfg = self.config
         while True:
             generation = rep.generation
-            result = await probes.liveness(self.session, rep.spec.url, cfg.liveness_timeout_s)
+            sent_at = clock.monotonic()
+            result = await probes.liveness(
+                self.session, rep.spec.url, cfg.liveness_timeout_s, cfg.liveness_path
+            )
             now = clock.monotonic()
             if generation == rep.generation and rep.state is not State.restarting:
-                self._on_liveness(rep, result, now)
+                probe = self._probe(result, cfg.liveness_timeout_s, sent_at, now)
+                self._apply(rep, rules.on_liveness(rep.signals, rep.state, probe, now, self._th))
                 self._check_progress(rep, now)
             await asyncio.sleep(cfg.liveness_interval_s)
 
-    def _on_liveness(self, rep: _Replica, result: probes.ProbeResult, now: float) -> None:
-        rep.liveness_probes += 1
-        if rep.state is State.starting:
-            if result.ok:
-                rep.liveness_failures, rep.liveness_error = 0, ""
-                if rep.verify_with_deep_probe:
-                    if not rep.verifying:
-                        rep.verifying = True
-                        self._spawn(self._verify(rep))
-                    return
-                self._fire(rep, Event.health_ok, "")
-                return
-            # Failures while loading are expected: shown, not counted.
-            rep.liveness_error = result.error
-            if now - rep.started_at > self.config.startup_allowance_s:
-                self._fire(
-                    rep,
-                    Event.startup_timeout,
-                    f"not healthy after {self.config.startup_allowance_s:g} s "
-                    f"(last: {result.error})",
-                )
-            return
-        if result.ok:
-            if rep.liveness_failures:
-                rep.liveness_failures, rep.liveness_error = 0, ""
-                self._publish()
-            return
-        rep.liveness_failures += 1
-        rep.liveness_error = result.error
-        if rep.liveness_failures >= self.config.liveness_failures_threshold:
-            self._fire(
-                rep,
-                Event.health_failed,
-                f"liveness failed {rep.liveness_failures} times in a row ({result.error})",
-            )
-        else:
-            self._publish()  # one failure already stops routing (see the module doc)
-
-    def _check_progress(self, rep: _Replica, now: float) -> None:
+    def _check_progress(self, rep: TrackedReplica, now: float) -> None:
         rid = rep.spec.replica_id
         rep.watchdog.observe_gateway(
             self.signals.streams_in_flight(rid), self.signals.chunks_relayed_total(rid), now
         )
-        if rep.state in _PROBED_STATES:
-            stuck = rep.watchdog.stuck(now)
-            if stuck is not None:
-                self._fire(rep, Event.stuck, stuck)
+        if rep.state in PROBED_STATES:
+            fire = rules.on_progress_check(rep.state, rep.watchdog.stuck(now))
+            if fire is not None:
+                self._fire(rep, fire.event, fire.detail)
 
-    async def _scrape_loop(self, rep: _Replica) -> None:
+    async def _scrape_loop(self, rep: TrackedReplica) -> None:
         cfg = self.config
         while True:
             wait_s = cfg.scrape_interval_s
@@ -522,7 +385,7 @@ class FleetMonitor:
                         wait_s *= _ABSENT_BACKOFF
             await asyncio.sleep(wait_s)
 
-    def _on_scrape(self, rep: _Replica, text: str, now: float) -> bool:
+    def _on_scrape(self, rep: TrackedReplica, text: str, now: float) -> bool:
         adapter = rep.adapter or self._resolve_adapter(rep.spec.engine, text)
         if adapter is None:
             rep.scrape_note = "unknown engine: no load view (set the replica's engine)"
@@ -532,96 +395,78 @@ class FleetMonitor:
         load = adapter.parse(text, scraped_at=now)
         rep.load = load
         rep.watchdog.observe_engine(load.running, load.generation_tokens_total, now)
+        before = after = rep.storm.state
         if load.preemptions_total is not None:
-            before = rep.storm.state
             after = rep.storm.observe(load.preemptions_total, now)
-            if before is StormState.calm and after is StormState.storm:
-                rate = rep.storm.last_rate_per_s or 0.0
-                self._fire(rep, Event.storm, f"preemptions at {rate:.1f}/s")
-            elif before is StormState.storm and after is StormState.calm:
-                self._fire(rep, Event.storm_cleared, "")
-        if load.waiting is not None:
-            over = load.waiting > self.config.ready_waiting_threshold
-            if over and not rep.over_waiting:
-                rep.over_waiting = True
-                self._fire(rep, Event.not_ready, f"{load.waiting:g} waiting")
-            elif not over and rep.over_waiting:
-                rep.over_waiting = False
-                self._fire(rep, Event.ready_again, "")
+        step = rules.on_scrape(
+            rep.signals, before, after, rep.storm.last_rate_per_s, load.waiting, self._th
+        )
+        self._apply(rep, step, publish=False)
         self._rescore()
         self._publish()
         return True
 
-    async def _deep_loop(self, rep: _Replica) -> None:
-        cfg = self.config
+    async def _deep_loop(self, rep: TrackedReplica) -> None:
+        rid = rep.spec.replica_id
         while True:
-            busy = self.signals.streams_in_flight(rep.spec.replica_id) > 0 or bool(
+            busy = self.signals.streams_in_flight(rid) > 0 or bool(
                 rep.load is not None and rep.load.running
             )
-            base_s = cfg.deep_probe_interval_s if busy else cfg.deep_probe_idle_interval_s
-            jitter = 1.0 + self._rng.uniform(-cfg.deep_probe_jitter, cfg.deep_probe_jitter)
-            await asyncio.sleep(base_s * jitter)
-            if rep.state not in _PROBED_STATES:
+            await asyncio.sleep(rules.deep_probe_delay_s(busy, self._th, self._rng.uniform(-1, 1)))
+            if rep.state not in PROBED_STATES:
                 continue
             generation = rep.generation
             model = rep.model or rep.spec.model or await self._discover_model(rep)
             if not model:
                 continue
-            result = await probes.deep_probe(
-                self.session, rep.spec.url, model, cfg.deep_probe_timeout_s, cfg.deep_probe_path
-            )
-            if generation != rep.generation or rep.state not in _PROBED_STATES:
+            probe, progress = await self._deep_probe(rep, model)
+            if generation != rep.generation or rep.state not in PROBED_STATES:
                 continue
-            self._on_deep_probe(rep, result)
+            step = rules.on_deep_probe(rep.signals, probe, progress, self._th)
+            if step.verdict is Verdict.failed and self._export is not None:
+                self._export.deep_probe_failed(rid)
+            self._apply(rep, step, publish=False)
+            self._rescore()
+            self._publish()
 
-    async def _verify(self, rep: _Replica) -> None:
+    async def _deep_probe(self, rep: TrackedReplica, model: str) -> tuple[Probe, Progress]:
+        """One deep probe, with what moved on the replica while it was out."""
+        cfg = self.config
+        rid = rep.spec.replica_id
+        tokens_before = rep.load.generation_tokens_total if rep.load is not None else None
+        chunks_before = self.signals.chunks_relayed_total(rid)
+        sent_at = clock.monotonic()
+        result = await probes.deep_probe(
+            self.session, rep.spec.url, model, cfg.deep_probe_timeout_s, cfg.deep_probe_path
+        )
+        now = clock.monotonic()
+        tokens_after = rep.load.generation_tokens_total if rep.load is not None else None
+        progress = Progress(
+            engine_tokens_advanced=(
+                tokens_before is not None
+                and tokens_after is not None
+                and tokens_after > tokens_before
+            ),
+            chunks_relayed_advanced=self.signals.chunks_relayed_total(rid) > chunks_before,
+            waiting=rep.load.waiting if rep.load is not None else None,
+        )
+        return self._probe(result, cfg.deep_probe_timeout_s, sent_at, now), progress
+
+    async def _verify(self, rep: TrackedReplica) -> None:
         """One deep probe before a replica that was not really restarted is readmitted."""
         try:
             generation = rep.generation
             model = rep.model or rep.spec.model or await self._discover_model(rep)
-            result = await probes.deep_probe(
-                self.session,
-                rep.spec.url,
-                model,
-                self.config.deep_probe_timeout_s,
-                self.config.deep_probe_path,
-            )
-            if generation != rep.generation or rep.state is not State.starting:
+            probe, progress = await self._deep_probe(rep, model)
+            if generation != rep.generation:
                 return
-            if result.ok:
-                rep.verify_with_deep_probe = False
-                self._fire(rep, Event.health_ok, "a deep probe produced a token again")
-            else:
-                rep.reason = f"healthy but still not producing tokens ({result.error})"
-                self._publish()
+            self._apply(
+                rep, rules.on_verification(rep.signals, rep.state, probe, progress, self._th)
+            )
         finally:
             rep.verifying = False
 
-    def _on_deep_probe(self, rep: _Replica, result: probes.ProbeResult) -> None:
-        rep.deep_results.append(result.ok)
-        if result.ok:
-            rep.deep_latency_s = result.latency_s
-            rep.deep_streak = 0
-            if rep.deep_reported:
-                rep.deep_reported = False
-                self._fire(rep, Event.deep_probe_ok, "")
-        else:
-            if self.metrics is not None:
-                self.metrics.deep_probe_failures.labels(rep.spec.replica_id).inc()
-            rep.deep_streak += 1
-            if rep.deep_streak >= self.config.deep_probe_failures_threshold:
-                rep.deep_streak = 0
-                rep.deep_reported = True
-                self._fire(
-                    rep,
-                    Event.deep_probe_failed_n,
-                    f"{self.config.deep_probe_failures_threshold} deep probes failed "
-                    f"in a row ({result.error})",
-                )
-        self._rescore()
-        self._publish()
-
-    async def _discover_model(self, rep: _Replica) -> str:
+    async def _discover_model(self, rep: TrackedReplica) -> str:
         try:
             async with self.session.get(
                 rep.spec.url.rstrip("/") + "/v1/models",
@@ -637,34 +482,49 @@ class FleetMonitor:
 
     async def _dcgm_loop(self, node: str, url: str) -> None:
         cfg = self.config
-        n = self._node(node)
+        d = self._domain(node)
         while True:
             text = await probes.scrape_text(self.session, url, cfg.dcgm_timeout_s, path="")
             if isinstance(text, str):
                 sample = parse_dcgm(text)
-                gpu = assess(sample, n.dcgm_previous)
-                n.dcgm_previous = sample
-                await self._on_gpu(n, gpu)
+                gpu = assess(sample, d.dcgm_previous)
+                d.dcgm_previous = sample
+                await self._on_gpu(d, gpu)
             await asyncio.sleep(cfg.dcgm_interval_s)
 
-    async def _on_gpu(self, n: _Node, gpu: GpuHealth) -> None:
-        if gpu.warnings and gpu.warnings != n.gpu.warnings:
-            log.warning("node %s GPU warnings: %s", n.name, "; ".join(gpu.warnings))
-        n.gpu = gpu
+    async def _on_gpu(self, d: TrackedDomain, gpu: GpuHealth) -> None:
+        if gpu.warnings and gpu.warnings != d.gpu.warnings:
+            log.warning("node %s GPU warnings: %s", d.name, "; ".join(gpu.warnings))
+        d.gpu = gpu
         if gpu.fatal:
-            if not n.cordoned:
-                await self._cordon(n.name, gpu.reasons, ticket=True, event=Event.hardware_fatal)
+            if not d.cordoned:
+                await self._cordon(d.name, gpu.reasons, ticket=True, event=Event.hardware_fatal)
             return
         for why in gpu.restart_app:
             # An application-class Xid: the GPU is fine, the process on it is not.
-            for rep in self._on_node(n.name):
+            for rep in self._in_domain(d.name):
                 self._fire(rep, Event.restart_requested, f"GPU application fault: {why}", True)
         self._rescore()
         self._publish()
 
-    # ---------------------------------------------------------------- transitions
+    # ---------------------------------------------------------------- rules -> events
 
-    def _fire(self, rep: _Replica, event: Event, detail: str, counts: bool | None = None) -> None:
+    def _apply(self, rep: TrackedReplica, step: Step, publish: bool = True) -> None:
+        """Take a rule's answer: the new record, a note, the verification, the events."""
+        rep.signals = step.signals
+        if step.note is not None:
+            rep.reason = step.note
+        if step.verify and not rep.verifying:
+            rep.verifying = True
+            self._spawn(self._verify(rep))
+        for fire in step.fire:
+            self._fire(rep, fire.event, fire.detail)
+        if publish:
+            self._publish_if_changed(rep)
+
+    def _fire(
+        self, rep: TrackedReplica, event: Event, detail: str, counts: bool | None = None
+    ) -> None:
         """Feed one edge event to the state machine and carry out the transition."""
         if self._replicas.get(rep.spec.replica_id) is not rep:
             return  # removed meanwhile
@@ -674,33 +534,53 @@ class FleetMonitor:
         before = rep.state
         rep.state = t.next
         rep.reason = f"{t.reason}: {detail}" if detail else t.reason
-        self._record(rep, event.value, before, t.next, rep.reason)
-        for action in t.actions:
-            if action is Action.restart:
-                failure = event in _FAILURE_EVENTS if counts is None else counts
-                self._act(rep, "restart", self._restart(rep, rep.reason, failure))
-            elif action is Action.drain and t.next is State.draining:
-                self._act(rep, "drain", self._drain(rep))
-            elif action is Action.cordon_node and not self._node(rep.spec.node).cordoned:
-                # Cordons are started by `_cordon`, which marks the node first; an event
-                # that reaches this row otherwise (none today) still cordons the node.
-                self._spawn(
-                    self._cordon(rep.spec.node, (rep.reason,), ticket=True, event=Event.cordon)
-                )
+        self._execute(rep, t, event, before, counts)
         if t.next is State.ready:
-            self._reassert(rep)
+            again = rules.still_present(rep.signals, rep.storm.state)
+            if again is not None:
+                self._fire(rep, again.event, again.detail)
         self._publish()
 
-    def _reassert(self, rep: _Replica) -> None:
-        """Back to ready on one recovery edge; causes still present report again."""
-        if rep.storm.state is StormState.storm:
-            self._fire(rep, Event.storm, "preemption storm still on")
-        elif rep.over_waiting:
-            self._fire(rep, Event.not_ready, "queue still over the threshold")
-        elif rep.deep_reported:
-            self._fire(rep, Event.deep_probe_failed_n, "deep probes still failing")
+    def _execute(
+        self,
+        rep: TrackedReplica,
+        t: Transition,
+        event: Event,
+        before: State,
+        counts: bool | None,
+    ) -> None:
+        """Carry out every action of transition `t`, in the table's order."""
+        for action in t.actions:
+            match action:
+                case Action.none:
+                    pass
+                case Action.stop_routing:
+                    # The new state is already set: the view that leaves routing goes
+                    # out before any action below does I/O.
+                    self._publish()
+                case Action.drain:
+                    # Into `draining` the drain ends in `drained` -> restart; into
+                    # `cordoned` the same wait lets in-flight work finish, and `drained`
+                    # is ignored there (nothing restarts on a cordoned domain).
+                    self._act(rep, "drain", self._drain(rep))
+                case Action.restart:
+                    failure = rules.counts_as_failure(event, counts)
+                    self._act(rep, "restart", self._restart(rep, rep.reason, failure))
+                case Action.cordon_node:
+                    if not self._domain(rep.spec.domain).cordoned:
+                        # Cordons are usually started by `_cordon`, which marks the domain
+                        # first; an event that reaches this row otherwise still cordons.
+                        self._spawn(
+                            self._cordon(rep.spec.domain, (rep.reason,), True, Event.cordon)
+                        )
+                case Action.record:
+                    self._record(rep, event.value, before, t.next, rep.reason)
+                case _:
+                    assert_never(action)
 
-    def _record(self, rep: _Replica, event: str, before: State, after: State, why: str) -> None:
+    def _record(
+        self, rep: TrackedReplica, event: str, before: State, after: State, why: str
+    ) -> None:
         now = clock.monotonic()
         self._history.append(
             TransitionRecord(
@@ -711,7 +591,9 @@ class FleetMonitor:
             level = logging.INFO if after in (State.ready, State.starting) else logging.WARNING
             log.log(level, "replica %s: %s -> %s (%s)", rep.spec.replica_id, before, after, why)
 
-    def _act(self, rep: _Replica, kind: str, coro: Coroutine[Any, Any, None]) -> None:
+    # ---------------------------------------------------------------- actions
+
+    def _act(self, rep: TrackedReplica, kind: str, coro: Coroutine[Any, Any, None]) -> None:
         """One action at a time per replica. A restart overrides a drain in progress (the
         replica failed while draining); anything else waits for the current action."""
         current = rep.action
@@ -723,115 +605,95 @@ class FleetMonitor:
         rep.action_kind = kind
         rep.action = self._spawn(coro)
 
-    async def _drain(self, rep: _Replica) -> None:
-        rid = rep.spec.replica_id
+    async def _drain(self, rep: TrackedReplica) -> None:
+        """Wait until the gateway has nothing in flight on the replica (every request,
+        streamed or not), up to `drain_timeout_s`, then report `drained`."""
         deadline = clock.monotonic() + self.config.drain_timeout_s
-        while self.signals.streams_in_flight(rid) > 0 and clock.monotonic() < deadline:
-            await asyncio.sleep(_DRAIN_POLL_S)
+        left = await self.signals.wait_idle(rep.spec.replica_id, deadline)
         rep.action = None  # the restart that follows is the next action
-        self._fire(rep, Event.drained, f"{self.signals.streams_in_flight(rid)} streams left")
+        self._fire(rep, Event.drained, f"{left} requests left")
 
-    async def _restart(self, rep: _Replica, reason: str, failure: bool) -> None:
+    async def _restart(self, rep: TrackedReplica, reason: str, failure: bool) -> None:
         spec = rep.spec
         rep.generation += 1
-        rep.restarts += 1
-        if self.metrics is not None:
-            self.metrics.restarts.labels(spec.node, _reason_label(reason)).inc()
-        if failure:
-            await self.ledger.record(
-                RestartRecord(spec.node, spec.replica_id, reason, at_wall=clock.wall())
-            )
         try:
-            await self.actuator.restart(spec.ref(rep.model), reason)
+            restarted = bool(await self.actuator.restart(spec.ref(rep.model), reason))
         except Exception as exc:  # the replica is back to `starting`; the allowance rules
             log.error("restart of %s failed: %r", spec.replica_id, exc)
-        self._reset(rep)
+            restarted = False
+        kind = rules.ledger_entry(failure, restarted)
+        if restarted:
+            rep.restarts += 1
+            if self._export is not None:
+                self._export.restarted(spec.domain, reason)
+        elif failure:
+            rep.failures += 1
+        if kind is not None:
+            await self.ledger.record(
+                RestartRecord(spec.domain, spec.replica_id, reason, clock.wall(), kind)
+            )
+        self._reset(rep, verify=rules.needs_verification(failure, restarted))
         rep.action = None
-        rep.verify_with_deep_probe = failure and self.actuator.name == "none"
         self._fire(rep, Event.restarted, reason)
-        if failure:
-            await self._maybe_cordon(spec.node)
+        if kind is RecordKind.restart:
+            await self._maybe_cordon(spec.domain)
 
-    async def _maybe_cordon(self, node: str) -> None:
+    async def _counted_restarts(self, domain: str, now_wall: float) -> list[RestartRecord]:
+        """The restarts that count towards a cordon: within the window, after the last
+        uncordon."""
+        since = now_wall - self.config.restart_window_s
+        uncordoned_at = await self.ledger.uncordoned_at(domain)
+        recent = await self.ledger.restarts(domain, since)
+        return [r for r in recent if uncordoned_at is None or r.at_wall > uncordoned_at]
+
+    async def _maybe_cordon(self, domain: str) -> None:
         cfg = self.config
         now_wall = clock.wall()
-        recent = await self.ledger.restarts(node, now_wall - cfg.restart_window_s)
-        times = [r.at_wall for r in recent]
-        if self._node(node).cordoned:
+        counted = await self._counted_restarts(domain, now_wall)
+        if self._domain(domain).cordoned:
             return
+        times = [r.at_wall for r in counted]
         if should_cordon(times, now_wall, cfg.restart_limit, cfg.restart_window_s):
             why = f"{len(times)} restarts within {cfg.restart_window_s:g} s"
-            await self._cordon(node, (why,), ticket=True, event=Event.cordon)
+            await self._cordon(domain, (why,), ticket=True, event=Event.cordon)
 
     async def _cordon(
-        self, node: str, reasons: tuple[str, ...], ticket: bool, event: Event
+        self, domain: str, reasons: tuple[str, ...], ticket: bool, event: Event
     ) -> None:
-        n = self._node(node)
-        if n.cordoned:
+        d = self._domain(domain)
+        if d.cordoned:
             return
-        cfg = self.config
-        n.cordoned = True  # first, so that concurrent signals do not cordon twice
-        n.since_wall = clock.wall()
+        d.cordoned = True  # first, so that concurrent signals do not cordon twice
+        d.since_wall = clock.wall()
         # Routing first: the replicas leave it before any I/O below.
-        for rep in self._on_node(node):
+        for rep in self._in_domain(domain):
             self._fire(rep, event, "; ".join(reasons))
         self._publish()
-        recent = await self.ledger.restarts(node, n.since_wall - cfg.restart_window_s)
-        gpu = {"gpu_fatal": "; ".join(n.gpu.reasons)} if n.gpu.fatal else {}
+        counted = await self._counted_restarts(domain, d.since_wall)
+        gpu = {"gpu_fatal": "; ".join(d.gpu.reasons)} if d.gpu.fatal else {}
         evidence = Evidence(
-            node=node,
+            node=domain,
             reasons=reasons,
-            restarts=tuple((r.at_wall, r.replica_id, r.reason) for r in recent),
+            restarts=tuple((r.at_wall, r.replica_id, r.reason) for r in counted),
             extra=gpu,
         )
-        n.evidence = evidence
-        if self.metrics is not None:
-            self.metrics.node_cordoned.labels(node).set(1)
-        await self.ledger.set_cordoned(node, True, evidence)
-        log.warning("node %s cordoned: %s", node, "; ".join(reasons))
+        d.evidence = evidence
+        await self.ledger.set_cordoned(domain, True, evidence)
+        log.warning("node %s cordoned: %s", domain, "; ".join(reasons))
         try:
-            await self.actuator.cordon(node, evidence)
+            await self.actuator.cordon(domain, evidence)
         except Exception as exc:
-            log.error("actuator could not cordon node %s: %r", node, exc)
+            log.error("actuator could not cordon node %s: %r", domain, exc)
         if ticket:
-            await self._hardware_ticket(evidence)
+            await self._tickets.open(self.session, evidence)
         self._publish()
-
-    async def _hardware_ticket(self, evidence: Evidence) -> None:
-        body = {
-            "node": evidence.node,
-            "reasons": list(evidence.reasons),
-            "restarts": [
-                {"at_wall": t, "replica": replica, "reason": why}
-                for t, replica, why in evidence.restarts
-            ],
-            "extra": evidence.extra,
-            "at_wall": clock.wall(),
-        }
-        log.error("HARDWARE TICKET node=%s %s", evidence.node, orjson.dumps(body).decode())
-        if self.metrics is not None:
-            self.metrics.hardware_tickets.labels(evidence.node).inc()
-        url = self.config.hardware_ticket_webhook_url
-        if url is None:
-            return
-        try:
-            async with self.session.post(
-                url,
-                data=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.config.webhook_timeout_s),
-            ) as resp:
-                if resp.status >= 300:
-                    log.error("hardware ticket webhook answered %d", resp.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.error("hardware ticket webhook failed: %r", exc)
 
     # ---------------------------------------------------------------- publishing
 
     def _rescore(self) -> None:
         reps = list(self._replicas.values())
         observed = {r.spec.replica_id: self.signals.observed(r.spec.replica_id) for r in reps}
-        probe_median = _median(r.deep_latency_s for r in reps)
+        probe_median = _median(r.signals.deep_latency_s for r in reps)
         ttft_median = _median(o.ttft_p50_s for o in observed.values())
         itl_median = _median(o.itl_p50_s for o in observed.values())
         for rep in reps:
@@ -839,8 +701,8 @@ class FleetMonitor:
             load = rep.load
             rep.breakdown = self._score.score(
                 ScoreInputs(
-                    deep_probe_success_ratio=_ratio(rep.deep_results),
-                    deep_probe_latency_s=rep.deep_latency_s,
+                    deep_probe_success_ratio=rep.signals.deep_success_ratio,
+                    deep_probe_latency_s=rep.signals.deep_latency_s,
                     fleet_median_deep_probe_latency_s=probe_median,
                     kv_usage=load.kv_usage if load else None,
                     waiting=load.waiting if load else None,
@@ -850,74 +712,63 @@ class FleetMonitor:
                     itl_s=seen.itl_p50_s,
                     fleet_median_itl_s=itl_median,
                     error_rate=seen.error_rate,
-                    hardware_fault=self._node(rep.spec.node).gpu.fatal,
+                    hardware_fault=self._domain(rep.spec.domain).gpu.fatal,
                 )
             )
 
-    def _view(self, rep: _Replica) -> ReplicaView:
-        node = self._node(rep.spec.node)
-        routable = (
-            health.routable(rep.state)
-            and rep.liveness_failures == 0
-            and not rep.held
-            and not node.cordoned
-        )
-        reason = rep.reason
-        if rep.held:
-            reason = "held out of routing by the operator"
-        elif rep.liveness_failures and rep.state in _PROBED_STATES:
-            reason = f"liveness failed ({rep.liveness_error}), {rep.liveness_failures} in a row"
-        total = rep.breakdown.total if rep.breakdown else 1.0
+    def _view(self, rep: TrackedReplica) -> ReplicaView:
+        breakdown = rep.breakdown
         load = rep.load
-        waiting = load.waiting if load is not None else None
-        saturated = waiting is not None and waiting > self.config.ready_waiting_threshold
+        decided = rules.routing(
+            rep.state,
+            rep.signals,
+            rep.reason,
+            held=rep.held,
+            cordoned=self._domain(rep.spec.domain).cordoned,
+            health_score=breakdown.total if breakdown else 1.0,
+            waiting=load.waiting if load is not None else None,
+            th=self._th,
+        )
         return ReplicaView(
             replica_id=rep.spec.replica_id,
             url=rep.spec.url,
             model=rep.model or rep.spec.model,
-            node=rep.spec.node,
-            routable=routable,
+            node=rep.spec.domain,
+            routable=decided.routable,
             state=rep.state.value,
-            reason=reason,
-            score=max(total * health.ROUTING_WEIGHT[rep.state], 1e-6),
+            reason=decided.reason,
+            score=decided.score,
             load=load,
-            saturated=saturated,
-            saturation_reason=f"{waiting:g} waiting in the engine" if saturated else "",
+            saturated=decided.saturated,
+            saturation_reason=decided.saturation_reason,
+            held=rep.held,
+            health_score=breakdown.total if breakdown else None,
+            score_parts=tuple(breakdown.factors().items()) if breakdown else (),
         )
 
-    def _publish(self) -> None:
+    def _publish_if_changed(self, rep: TrackedReplica) -> None:
+        """Publish when this replica's view changed (one view built, not the fleet's)."""
+        if self._view(rep) != self._snapshot.replicas.get(rep.spec.replica_id):
+            self._publish()
+
+    def _publish(self, force: bool = False) -> None:
         views = {rid: self._view(rep) for rid, rep in self._replicas.items()}
-        if views == self._snapshot.replicas:
+        cordoned = frozenset(d.name for d in self._domains.values() if d.cordoned)
+        snap = self._snapshot
+        if not force and views == snap.replicas and cordoned == snap.cordoned:
             return
-        self._snapshot = FleetSnapshot(replicas=views, taken_at=clock.monotonic())
-        if self.metrics is not None:
-            self._export(views)
+        self._snapshot = FleetSnapshot(views, clock.monotonic(), cordoned)
         for listener in self._listeners:
             listener(self._snapshot)
 
-    def _export(self, views: dict[str, ReplicaView]) -> None:
-        m = self.metrics
-        assert m is not None
-        for rid, view in views.items():
-            rep = self._replicas[rid]
-            for s in State:
-                m.replica_state.labels(rid, view.node, s.value).set(1 if rep.state is s else 0)
-            m.replica_ready.labels(rid).set(1 if view.routable else 0)
-            if rep.breakdown is not None:
-                m.replica_score.labels(rid).set(rep.breakdown.total)
-                for part, value in rep.breakdown.factors().items():
-                    m.replica_score_part.labels(rid, part).set(value)
-
     # ---------------------------------------------------------------- helpers
 
-    def _new_replica(self, spec: ReplicaSpec) -> _Replica:
-        cfg = self.config
-        return _Replica(
+    def _new_replica(self, spec: ReplicaSpec) -> TrackedReplica:
+        return TrackedReplica(
             spec=spec,
-            started_at=clock.monotonic(),
-            watchdog=ProgressWatchdog(cfg.watchdog_window_s),
+            signals=rules.fresh(clock.monotonic()),
+            watchdog=ProgressWatchdog(self.config.watchdog_window_s),
             storm=self._new_storm(),
-            deep_results=deque(maxlen=cfg.deep_probe_window),
             model=spec.model,
         )
 
@@ -925,16 +776,12 @@ class FleetMonitor:
         cfg = self.config
         return StormDetector(cfg.storm_rate_threshold_per_s, cfg.storm_sustain_s, cfg.storm_clear_s)
 
-    def _reset(self, rep: _Replica) -> None:
+    def _reset(self, rep: TrackedReplica, verify: bool) -> None:
         """A restarted replica starts from nothing: no evidence carries over."""
-        cfg = self.config
-        rep.started_at = clock.monotonic()
-        rep.watchdog = ProgressWatchdog(cfg.watchdog_window_s)
+        rep.signals = rules.restarted(rep.signals, clock.monotonic(), verify)
+        rep.watchdog = ProgressWatchdog(self.config.watchdog_window_s)
         rep.storm = self._new_storm()
-        rep.deep_results.clear()
-        rep.deep_streak, rep.deep_reported, rep.deep_latency_s = 0, False, None
-        rep.liveness_failures, rep.liveness_error = 0, ""
-        rep.load, rep.over_waiting, rep.breakdown = None, False, None
+        rep.load, rep.breakdown = None, None
 
     def _resolve_adapter(self, engine: str, text: str) -> Adapter | None:
         detected = detect_engine(text)
@@ -944,14 +791,14 @@ class FleetMonitor:
             return adapter_for(detected) if detected is not None else None
         return adapter_for(engine)
 
-    def _node(self, name: str) -> _Node:
-        node = self._nodes.get(name)
-        if node is None:
-            node = self._nodes[name] = _Node(name)
-        return node
+    def _domain(self, name: str) -> TrackedDomain:
+        d = self._domains.get(name)
+        if d is None:
+            d = self._domains[name] = TrackedDomain(name)
+        return d
 
-    def _on_node(self, node: str) -> list[_Replica]:
-        return [r for r in self._replicas.values() if r.spec.node == node]
+    def _in_domain(self, domain: str) -> list[TrackedReplica]:
+        return [r for r in self._replicas.values() if r.spec.domain == domain]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], keep: bool = True) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -962,13 +809,23 @@ class FleetMonitor:
         return task
 
 
+def _thresholds(cfg: FleetMonitorConfig) -> rules.Thresholds:
+    return rules.Thresholds(
+        startup_allowance_s=cfg.startup_allowance_s,
+        liveness_failures_threshold=cfg.liveness_failures_threshold,
+        deep_probe_failures_threshold=cfg.deep_probe_failures_threshold,
+        deep_probe_window=cfg.deep_probe_window,
+        ready_waiting_threshold=cfg.ready_waiting_threshold,
+        deep_probe_interval_s=cfg.deep_probe_interval_s,
+        deep_probe_idle_interval_s=cfg.deep_probe_idle_interval_s,
+        deep_probe_jitter=cfg.deep_probe_jitter,
+        lag_spoils_fraction=cfg.probe_lag_spoils_fraction,
+    )
+
+
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("fleet monitor task failed", exc_info=task.exception())
-
-
-def _ratio(results: deque[bool]) -> float | None:
-    return sum(results) / len(results) if results else None
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -976,34 +833,14 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def _reason_label(reason: str) -> str:
-    """A bounded metric label: the transition reason without its free-text detail."""
-    return reason.split(":", 1)[0][:60]
-
-
-def _load_dict(load: EngineLoad | None) -> dict[str, float | None] | None:
-    if load is None:
-        return None
-    return {
-        "running": load.running,
-        "waiting": load.waiting,
-        "kv_usage": load.kv_usage,
-        "preemptions_total": load.preemptions_total,
-        "generation_tokens_total": load.generation_tokens_total,
-        "prompt_tokens_total": load.prompt_tokens_total,
-        "kv_capacity_tokens": load.kv_capacity_tokens,
-    }
-
-
 def _spec_from(endpoint: Endpoint, model: str, engine: str) -> ReplicaSpec:
-    # Without a node name (DNS discovery) each address is its own failure domain: pod IPs
-    # change on restart, so restarts do not add up to a cordon there.
-    node = endpoint.node or f"unknown:{endpoint.address}"
+    # Without a node name (DNS discovery) each replica is its own failure domain: pod
+    # IPs change on restart, and the replicas may share no hardware at all.
     return ReplicaSpec(
         endpoint.replica_id,
         endpoint.url,
         model,
-        node,
+        endpoint.node or None,
         engine,
         pod=endpoint.pod,
         namespace=endpoint.namespace,
@@ -1030,7 +867,6 @@ __all__ = [
     "GatewaySignals",
     "NoGatewaySignals",
     "Observed",
-    "ReplicaSetSignals",
     "ReplicaSpec",
     "TransitionRecord",
     "replica_specs",

@@ -54,12 +54,14 @@ class ScrapeError:
     detail: str = ""
 
 
-async def liveness(session: aiohttp.ClientSession, url: str, timeout_s: float) -> ProbeResult:
+async def liveness(
+    session: aiohttp.ClientSession, url: str, timeout_s: float, path: str = "/health"
+) -> ProbeResult:
     """GET /health: 200 means the server and (for vLLM) the engine process are alive."""
     started = clock.monotonic()
     try:
         async with session.get(
-            _join(url, "/health"), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            _join(url, path), timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             await resp.read()
             latency = clock.monotonic() - started

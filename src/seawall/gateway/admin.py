@@ -15,8 +15,10 @@ the levers. Routes:
     POST /admin/nodes/{node}/uncordon
     GET  /status                           the status page (static; it asks for the token)
 
-Must not: sit on the request path. It reads the monitor's `describe()` and the gateway's
-counters; the history sampler runs every `SAMPLE_S` off the request path.
+Must not: sit on the request path. It reads the monitor's `describe()`, the in-flight
+ledger and the budget; the history sampler runs every `SAMPLE_S` off the request path.
+Its dependencies are the components it reads and the fleet operations it calls
+(`rollout.FleetOps`), never the gateway object itself.
 """
 
 from __future__ import annotations
@@ -26,18 +28,25 @@ import contextlib
 import hmac
 import statistics
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from seawall import clock
 from seawall.auth import hash_key
+from seawall.config import GatewayConfig
 from seawall.errors import ApiError
-
-if TYPE_CHECKING:
-    from seawall.gateway.app import Gateway
+from seawall.fleet.monitor import FleetMonitor
+from seawall.gateway.inflight import InFlight
+from seawall.gateway.queue import AdmissionQueue
+from seawall.gateway.replicas import ReplicaSet
+from seawall.gateway.rollout import FleetOps, Rollout, RolloutOptions
+from seawall.gateway.tenancy import Tenancy
+from seawall.metrics import Metrics
+from seawall.policy.retry_budget import RetryBudget
 
 SAMPLE_S = 2.0
 HISTORY_POINTS = 300  # ten minutes at one point per two seconds
@@ -54,17 +63,52 @@ def _err(e: ApiError) -> web.Response:
     )
 
 
+# TTFT samples kept between two history points (a bounded buffer on a busy gateway).
+_MAX_TTFT_SAMPLES = 10_000
+
+
 class Admin:
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        monitor: FleetMonitor,
+        replicas: ReplicaSet,
+        ledger: InFlight,
+        budget: RetryBudget,
+        metrics: Metrics,
+        tenancy: Tenancy,
+        queue: AdmissionQueue,
+        ops: FleetOps,
+        draining: Callable[[], bool],
+        api_url: Callable[[], str],
+        hedging: bool,
+    ) -> None:
+        self.config = config
+        self.monitor = monitor
+        self.replicas = replicas
+        self.ledger = ledger
+        self.budget = budget
+        self.metrics = metrics
+        self.tenancy = tenancy
+        self.queue = queue
+        self.ops = ops
+        self.draining = draining
+        self.api_url = api_url
+        self.hedging = hedging
         self.history: deque[dict[str, float | None]] = deque(maxlen=HISTORY_POINTS)
+        self.recent_ttft_s: list[float] = []  # drained by the sampler
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._rollout: asyncio.Task[Any] | None = None
-        self._rollout_obj: Any = None
+        self._rollout_obj: Rollout | None = None
         self.port: int | None = None
-        token_hash = gw.config.admin.token_hash
+        token_hash = config.admin.token_hash
         self._token_hash = token_hash.encode() if token_hash else None
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        if len(self.recent_ttft_s) < _MAX_TTFT_SAMPLES:
+            self.recent_ttft_s.append(ttft_s)
 
     # -- auth ---------------------------------------------------------------------------
 
@@ -88,15 +132,14 @@ class Admin:
     # -- views --------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        gw = self.gw
         now = clock.monotonic()
-        described = gw.monitor.describe()
+        described = self.monitor.describe()
+        snap = self.replicas.snapshot()
         replicas = []
         for item in described["replicas"]:
-            r = gw.replicas.get(item["id"])
+            r = self.replicas.get(item["id"])
             if r is not None:
-                item["inflight"] = r.inflight
-                item["draining"] = r.draining
+                item["inflight"] = r.counts.requests
                 item["gateway"] = {
                     "ttft_ewma_s": r.ttft_ewma_s,
                     "itl_ewma_s": r.itl_ewma_s,
@@ -104,34 +147,16 @@ class Admin:
                     "ejected": r.ejected_until > now,
                     "backoff": r.backoff_until > now,
                 }
-                view = gw.replicas.view(r, gw.replicas.snapshot())
-                reason = gw.replicas.saturation(r, view, now, 0)
-                item["reserved_kv_blocks"] = r.reserved_blocks
+                reason = self.replicas.saturation(r, self.replicas.view(r, snap), now, 0)
+                item["reserved_kv_blocks"] = r.counts.kv_blocks
                 item["saturated"] = reason is not None
                 item["saturation_reason"] = reason
+            item["draining"] = item.get("held", False)
             item["cordoned"] = any(
                 n["cordoned"] for n in described["nodes"] if n["node"] == item["node"]
             )
             replicas.append(item)
-        guard = gw.guard
-        tenancy: dict[str, Any] = {}
-        if guard is not None:
-            from seawall.gateway.tenancy import TenancyGuard
-
-            if isinstance(guard, TenancyGuard):
-                tenancy = {
-                    "backend": guard.rate.backend,
-                    "fail_mode": guard.rate.fail_mode,
-                    "degraded": guard.backend.degraded,
-                    "tenants": len(guard.tenants),
-                    "open": guard.keys is None,
-                    "admission": guard.admission.enabled,
-                    "queued": dict(guard.queued),
-                }
-                migrate_tiers = sorted(n for n, t in guard.tiers.items() if t.migrate)
-        else:
-            migrate_tiers = []
-        cfg = gw.config
+        cfg = self.config
         nodes = [
             {**n, "restarts_in_window": len(n.get("restarts", []))} for n in described["nodes"]
         ]
@@ -139,35 +164,35 @@ class Admin:
             "replicas": replicas,
             "nodes": nodes,
             "transitions": described["transitions"],
-            "retry_budget": {"level": gw.budget.level(now), "ratio": cfg.retry.budget_ratio},
-            "draining": gw.draining,
-            "inflight": gw.inflight,
-            "limits": tenancy,
-            "hedging": {"enabled": gw.hedge_enabled, "delay_s": cfg.hedging.delay_s},
-            "migration": {"tiers": migrate_tiers},
+            "retry_budget": {"level": self.budget.level(now), "ratio": cfg.retry.budget_ratio},
+            "draining": self.draining(),
+            "inflight": self.ledger.total,
+            "limits": {**self.tenancy.summary(), "queued": self.queue.depths()},
+            "hedging": {"enabled": self.hedging, "delay_s": cfg.hedging.delay_s},
+            "migration": {"tiers": sorted(n for n, t in cfg.tiers.items() if t.migrate)},
             "timeouts": cfg.timeouts.model_dump(),
-            "actuator": gw.monitor.actuator.name,
-            "api_url": f"http://{cfg.listen.host}:{gw.port}",
-            "models": gw.replicas.models(),
+            "actuator": self.monitor.actuator.name,
+            "api_url": self.api_url(),
+            "models": self.replicas.models(),
         }
 
     async def _sample_loop(self) -> None:
-        m = self.gw.metrics
+        m = self.metrics
         last_shed = _counter_total(m.shed)
         last_req = _counter_total(m.requests)
         while True:
             await asyncio.sleep(SAMPLE_S)
             now = clock.monotonic()
             shed, req = _counter_total(m.shed), _counter_total(m.requests)
-            ttfts = self.gw.recent_ttft_s
+            ttfts = self.recent_ttft_s
             self.history.append(
                 {
                     "t": clock.wall(),
-                    "retry_budget": self.gw.budget.level(now),
+                    "retry_budget": self.budget.level(now),
                     "shed_per_s": (shed - last_shed) / SAMPLE_S,
                     "requests_per_s": (req - last_req) / SAMPLE_S,
                     "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-                    "inflight": float(self.gw.inflight),
+                    "inflight": float(self.ledger.total),
                 }
             )
             ttfts.clear()
@@ -196,16 +221,12 @@ class Admin:
 
     async def _replica_action(self, request: web.Request) -> web.Response:
         rid, action = request.match_info["id"], request.match_info["action"]
-        replica = self.gw.replicas.get(rid)
-        if replica is None:
+        if self.replicas.get(rid) is None:
             return _err(ApiError(404, f"No replica {rid!r}.", param="id"))
         if action == "drain":
-            restart = request.query.get("restart") in ("1", "true")
-            replica.draining = not restart
-            self.gw.monitor.drain(rid, restart=restart)
+            self.monitor.drain(rid, restart=request.query.get("restart") in ("1", "true"))
         else:
-            replica.draining = False
-            self.gw.monitor.undrain(rid)
+            self.monitor.undrain(rid)
         return _json({"replica": rid, "action": action, "ok": True})
 
     async def _replica_stop(self, request: web.Request) -> web.Response:
@@ -213,20 +234,18 @@ class Admin:
         actuator stops the replica (SIGTERM, SIGKILL after `grace_s`)."""
         rid = request.match_info["id"]
         try:
-            timeout_s = float(request.query.get("timeout_s", self.gw.config.drain.timeout_s))
+            timeout_s = float(request.query.get("timeout_s", self.config.drain.timeout_s))
             grace_s = float(request.query.get("grace_s", 10.0))
         except ValueError:
             return _err(ApiError(400, "timeout_s and grace_s must be numbers."))
         try:
-            report = await self.gw.drain_replica(rid, timeout_s, grace_s)
+            report = await self.ops.drain_replica(rid, timeout_s, grace_s)
         except KeyError:
             return _err(ApiError(404, f"No replica {rid!r}.", param="id"))
         return _json({"replica": rid, "streams_cut": report.streams_cut, "exited": report.exited})
 
     async def _start_rollout(self, request: web.Request) -> web.Response:
-        from seawall.gateway.rollout import Rollout, RolloutOptions
-
-        supervisor = self.gw.monitor.actuator
+        supervisor = self.monitor.actuator
         if not hasattr(supervisor, "start_new"):
             return _err(
                 ApiError(
@@ -243,7 +262,7 @@ class Admin:
             opts = RolloutOptions.from_json(body if isinstance(body, dict) else {})
         except (ValueError, TypeError) as e:
             return _err(ApiError(400, f"Bad rollout options: {e}"))
-        self._rollout_obj = Rollout(self.gw, supervisor, opts)  # type: ignore[arg-type]
+        self._rollout_obj = Rollout(self.ops, supervisor, opts)  # type: ignore[arg-type]
         self._rollout = asyncio.create_task(self._rollout_obj.run())
         return _json({"state": "running"}, status=202)
 
@@ -255,9 +274,9 @@ class Admin:
     async def _node_action(self, request: web.Request) -> web.Response:
         node, action = request.match_info["node"], request.match_info["action"]
         if action == "cordon":
-            await self.gw.monitor.cordon(node, reason="operator")
+            await self.monitor.cordon(node, reason="operator")
         else:
-            await self.gw.monitor.uncordon(node)
+            await self.monitor.uncordon(node)
         return _json({"node": node, "action": action, "ok": True})
 
     async def _status_page(self, request: web.Request) -> web.StreamResponse:
@@ -269,7 +288,7 @@ class Admin:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> int:
-        cfg = self.gw.config.admin
+        cfg = self.config.admin
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)

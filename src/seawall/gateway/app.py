@@ -1,8 +1,20 @@
-"""The gateway process: routes, lifecycle (start, discovery, drain, close) and shared state.
+"""The gateway process: the composition root, its routes, and its lifecycle.
 
-Owns the objects every request shares: the replica set, the upstream connection pool,
-the retry budget, the metrics. The request path itself is `proxy.py`; the admission
-layers that run before a replica is chosen plug in as `guard`.
+`Gateway.__init__` builds every component once, from the validated configuration, and
+hands each one only what it uses (the wiring below is the whole dependency graph of the
+request path):
+
+    config ─┬─ InFlight ledger ── ReplicaSet ── FleetMonitor (snapshot, signals)
+            ├─ RetryBudget, HedgePolicy, H1Upstream(H1Pool)
+            ├─ Tenancy(limits backend) · FleetAdmission(AdmissionQueue)
+            ├─ admission stack (stack.py) ─┐
+            ├─ Dispatcher ── Relay ────────┴─ Proxy ── routes
+            └─ Admin (own port, own credential) · ModelCatalog (GET /v1/models)
+
+`shutdown()` is the drain sequence, its order written once with a reason per step.
+
+Must not: hold request-path logic (that is `proxy.py` and the modules it composes) or be
+imported by the components it builds.
 """
 
 from __future__ import annotations
@@ -11,54 +23,50 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from seawall import clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
-from seawall.config import ConfigError, GatewayConfig, format_validation_error
+from seawall.config import ConfigError, GatewayConfig
 from seawall.errors import ApiError
-from seawall.fleet.config import FleetMonitorConfig
-from seawall.fleet.monitor import FleetMonitor, ReplicaSetSignals, ReplicaSpec
+from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.admin import Admin
+from seawall.gateway.catalog import ModelCatalog
+from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
+from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.h1 import Endpoint, H1Pool
-from seawall.gateway.metrics import Metrics
-from seawall.gateway.proxy import Proxy, RequestCtx
-from seawall.gateway.replicas import Replica, ReplicaSet
+from seawall.gateway.inflight import InFlight
+from seawall.gateway.proxy import Proxy
+from seawall.gateway.relay import Relay
+from seawall.gateway.replicas import Replica, ReplicaSet, ReplicaSignals
+from seawall.gateway.stack import admission_stack
+from seawall.gateway.tenancy import Tenancy, warn_if_open
+from seawall.gateway.upstream import H1Upstream
+from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.retry_budget import RetryBudget
+from seawall.state.backends import open_limits_backend
 
 log = logging.getLogger("seawall.gateway")
 
-
-class Guard(Protocol):
-    """Admission layers run before a replica is chosen (tenancy, limits, saturation)."""
-
-    async def admit(self, request: web.Request, ctx: RequestCtx) -> None:
-        """Raise `ApiError` to refuse; set `ctx.lease` to be called back in `release`."""
-
-    async def release(self, ctx: RequestCtx) -> None: ...
-
-    async def close(self) -> None: ...
+# After the drain deadline has cut what was left, how long the cut requests get to write
+# their last bytes (an error event and [DONE]) before the listener closes.
+CUT_GRACE_S = 1.0
 
 
-def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers
-    )
+def _json(status: int, obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
 def _error(e: ApiError) -> web.Response:
-    return web.Response(
-        body=e.json_bytes(), status=e.status, content_type="application/json", headers=e.headers
-    )
+    return web.Response(body=e.json_bytes(), status=e.status, headers=e.response_headers())
 
 
 class Gateway:
@@ -69,91 +77,181 @@ class Gateway:
         metrics: Metrics | None = None,
         rng: random.Random | None = None,
         access_log: bool = True,
-        install: bool = True,
         actuator: Actuator | None = None,
     ) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
-        self.replicas = ReplicaSet(rng or random.Random(config.seed))
-        for i, rc in enumerate(config.replicas):
-            self.replicas.add(
-                Replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+        m = self.metrics = metrics or Metrics()
+        self.draining = False
+
+        # In flight, and the replicas that requests go to.
+        self.ledger = InFlight(on_release=self._slot_released)
+        self.replicas = ReplicaSet(self.ledger, rng or random.Random(config.seed))
+        self.catalog = ModelCatalog(self.replicas, on_new_card=self._new_model_card)
+
+        # The fleet monitor, off the request path; routing reads its snapshot.
+        if actuator is None and config.fleet.actuator == "local":
+            raise ConfigError(
+                "fleet.actuator: 'local' restarts processes Seawall started itself; "
+                "use it through `seawall up`, or choose 'none' or 'kubernetes'"
             )
+        self.monitor = FleetMonitor(
+            config.fleet,
+            actuator=actuator,
+            metrics=m,
+            signals=ReplicaSignals(self.replicas, self.ledger),
+        )
+        self.replicas.snapshot = self.monitor.snapshot
+        for i, rc in enumerate(config.replicas):
+            self.add_replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+
+        # Budgets and the upstream.
         r = config.retry
         self.budget = RetryBudget(
             ratio=r.budget_ratio,
             min_per_s=r.budget_min_per_s,
             reserve_window_s=r.budget_reserve_window_s,
+            ttl_s=r.budget_ttl_s,
+            max_balance=r.budget_max_balance,
             now=clock.monotonic(),
         )
-        self.metrics.retry_budget.set_function(lambda: self.budget.level(clock.monotonic()))
-        h = config.hedging
-        self.hedge = HedgePolicy(h.delay_s, h.max_prompt_tokens, h.max_fleet_load)
-        self.hedge_enabled = h.enabled
-        self.draining = False
-        self.inflight = 0
-        self.guard: Guard | None = None
-        self.access_log = access_log
-        self.model_cards: dict[str, dict[str, Any]] = {}
-        self.proxy = Proxy(self)
+        m.retry_budget.set_function(lambda: self.budget.level(clock.monotonic()))
+        # The request path's upstream connections (hand-written, see h1.py); `session`
+        # serves the gateway's other calls to replicas (model discovery, warm-up).
+        self.upstream = H1Upstream(H1Pool(on_connect=self._upstream_connected))
         self._session: aiohttp.ClientSession | None = None
-        # The request path's upstream connections (hand-written, see h1.py); the session
-        # above serves the gateway's other calls to replicas.
-        self.pool = H1Pool(on_connect=self._upstream_connected)
+
+        # Admission: tenants and tiers, then the fleet's saturation.
+        rate = config.ratelimit
+        backend = open_limits_backend(
+            rate.redis_url if rate.backend == "redis" else None,
+            fail_mode=rate.fail_mode,
+            key_prefix=rate.key_prefix,
+            # A lease outlives the longest request, so only a crashed gateway's leases expire.
+            lease_ttl_s=config.timeouts.total_s + 60.0,
+        )
+        self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
+        self.fleet_admission = FleetAdmission(config.admission, self.replicas, m)
+        self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
+        warn_if_open(config)
+
+        # The request path.
+        self.admin: Admin | None = None
+        h = config.hedging
+        self.dispatcher = Dispatcher(
+            replicas=self.replicas,
+            ledger=self.ledger,
+            upstream=self.upstream,
+            budget=self.budget,
+            retry=config.retry,
+            metrics=m,
+            hedge=HedgePolicy(h.delay_s, h.max_prompt_tokens, h.max_fleet_load)
+            if h.enabled
+            else None,
+            fleet_load=self.fleet_load,
+            on_ttft=self._observe_ttft,
+        )
+        relay = Relay(
+            dispatcher=self.dispatcher,
+            budget=self.budget,
+            metrics=m,
+            max_migrations=config.retry.max_migrations,
+        )
+        stack = admission_stack(
+            draining=lambda: self.draining,
+            drain_retry_after_s=config.drain.retry_after_s,
+            tenancy=self.tenancy,
+            max_body_bytes=config.limits.max_body_bytes,
+            replicas=self.replicas,
+            fleet=self.fleet_admission,
+        )
+        self.proxy = Proxy(
+            stack=stack,
+            dispatcher=self.dispatcher,
+            relay=relay,
+            ledger=self.ledger,
+            tenancy=self.tenancy,
+            fleet=self.fleet_admission,
+            replicas=self.replicas,
+            metrics=m,
+            timeouts_for=config.timeouts_for,
+            drain_retry_after_s=config.drain.retry_after_s,
+            access_log=access_log,
+        )
+        if config.admin.enabled:
+            self.admin = Admin(
+                config=config,
+                monitor=self.monitor,
+                replicas=self.replicas,
+                ledger=self.ledger,
+                budget=self.budget,
+                metrics=m,
+                tenancy=self.tenancy,
+                queue=self.fleet_admission.queue,
+                ops=self,
+                draining=lambda: self.draining,
+                api_url=lambda: f"http://{config.listen.host}:{self.port}",
+                hedging=h.enabled,
+            )
+
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
-        self.recent_ttft_s: list[float] = []  # drained by the admin sampler
-        self.admin: Admin | None = Admin(self) if config.admin.enabled else None
-        self.monitor = self._build_monitor(actuator)
-        self.set_snapshot_source(self.monitor.snapshot)
-        if install:
-            from seawall.gateway.stack import install_layers
+        self._seed_metrics()
 
-            install_layers(self)
+    # -- wiring callbacks ---------------------------------------------------------------
 
-    # -- shared state -------------------------------------------------------------------
+    def _new_model_card(self, model: str, card: dict[str, Any]) -> None:
+        if isinstance(card.get("max_model_len"), int):
+            warn_if_context_too_small(self.config, model, card["max_model_len"])
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Gateway.start() first"
-        return self._session
+    def _slot_released(self, replica_id: str) -> None:
+        replica = self.replicas.get(replica_id)
+        if replica is not None and replica.model is not None:
+            self.fleet_admission.queue.wake(replica.model)
 
-    def _build_monitor(self, actuator: Actuator | None) -> FleetMonitor:
-        fleet = load_fleet_config(self.config)
-        # The Kubernetes actuator needs I/O to load its credentials: start() sets it.
-        if actuator is None and fleet.actuator == "local":
-            raise ConfigError(
-                "fleet.actuator: 'local' restarts processes Seawall started itself; "
-                "use it through `seawall up`, or choose 'none' or 'kubernetes'"
-            )
-        return FleetMonitor(
-            fleet,
-            [_spec(r) for r in self.replicas.all()],
-            actuator=actuator,
-            metrics=self.metrics,
-            signals=ReplicaSetSignals(self.replicas),
-        )
+    def _observe_ttft(self, ttft_s: float) -> None:
+        if self.admin is not None:
+            self.admin.observe_ttft(ttft_s)
 
     def _upstream_connected(self, endpoint: Endpoint) -> None:
         replica = next((r for r in self.replicas.all() if r.endpoint == endpoint), None)
         label = replica.id if replica is not None else endpoint.host_header
         self.metrics.upstream_connections.labels(label).inc()
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Gateway.start() first"
+        return self._session
+
+    @property
+    def inflight(self) -> int:
+        """Client requests inside the gateway now."""
+        return self.ledger.total
+
+    # -- the replica set ----------------------------------------------------------------
+
     def add_replica(
         self,
         replica_id: str,
         url: str,
         model: str | None,
-        node: str = "local",
+        node: str | None = None,
         api_key: str | None = None,
         engine: str = "auto",
     ) -> Replica:
-        """A replica joins routing and the fleet monitor (rollouts, discovery)."""
+        """A replica joins routing and the fleet monitor (config, rollouts, discovery)."""
         replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
         self.replicas.add(replica)
+        counts = replica.counts
+        self.metrics.inflight.labels(replica_id).set_function(lambda: counts.requests)
         self.monitor.add_replica(_spec(replica))
         return replica
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.replicas.remove(replica_id)
+        self.monitor.remove_replica(replica_id)
+        with contextlib.suppress(KeyError):
+            self.metrics.inflight.remove(replica_id)
 
     def apply_discovered(self, specs: list[ReplicaSpec]) -> None:
         """Make the routed set equal a discovered one (a replica's id is its address)."""
@@ -170,17 +268,14 @@ class Gateway:
     async def drain_replica(
         self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
     ) -> DrainReport:
-        """No new work for the replica at once; in-flight requests get `timeout_s` to
-        finish; then, with `stop_grace_s`, the actuator stops it (SIGTERM, SIGKILL after
-        the grace) and it leaves the fleet. Reports how many requests were cut."""
+        """No new work for the replica at once; in-flight requests (streamed or not) get
+        `timeout_s` to finish; then, with `stop_grace_s`, the actuator stops it (SIGTERM,
+        SIGKILL after the grace) and it leaves the fleet. Reports how many were cut."""
         replica = self.replicas.get(replica_id)
         if replica is None:
             raise KeyError(replica_id)
-        replica.draining = True
-        deadline = clock.monotonic() + timeout_s
-        while replica.inflight > 0 and clock.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        cut = replica.inflight
+        self.monitor.drain(replica_id, restart=False)  # out of routing before the next request
+        cut = await self.ledger.wait_zero(replica_id, clock.monotonic() + timeout_s)
         if cut:
             log.warning(
                 "drain of %s hit its %.0fs deadline: cutting %d request(s)",
@@ -190,22 +285,15 @@ class Gateway:
             )
         if stop_grace_s is None:
             return DrainReport(replica_id, cut, exited=False)
+        actuator = self.monitor.actuator
         ref = ReplicaRef(replica_id, replica.url, replica.node, replica.model or "")
-        stop = getattr(self.monitor.actuator, "remove", None) or self.monitor.actuator.stop
+        stop = getattr(actuator, "remove", None) or actuator.stop
         self.remove_replica(replica_id)
         await stop(ref, stop_grace_s)
-        return DrainReport(replica_id, cut, exited=self.monitor.actuator.name != "none")
-
-    def remove_replica(self, replica_id: str) -> None:
-        self.replicas.remove(replica_id)
-        self.monitor.remove_replica(replica_id)
-
-    def set_snapshot_source(self, source: Any) -> None:
-        """The fleet monitor's `snapshot()`: read per request, never awaited."""
-        self.replicas.snapshot = source
+        return DrainReport(replica_id, cut, exited=actuator.name != "none")
 
     def fleet_load(self) -> float:
-        """Mean KV usage over routable replicas where scraped, else in-flight per replica / 16.
+        """Mean KV usage over replicas where scraped, else in-flight per replica / 16.
 
         Only hedging reads it, to tell a lightly loaded fleet from a busy one.
         """
@@ -216,7 +304,7 @@ class Gateway:
             if view is not None and view.load is not None and view.load.kv_usage is not None:
                 loads.append(view.load.kv_usage)
             else:
-                loads.append(min(1.0, r.inflight / 16))
+                loads.append(min(1.0, r.counts.requests / 16))
         return sum(loads) / len(loads) if loads else 1.0
 
     # -- HTTP ---------------------------------------------------------------------------
@@ -244,6 +332,11 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        # Answered by the gateway itself, for tools that expect an engine's or a router's
+        # routes: guidellm refuses a target whose GET /health is 404.
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_route("*", "/ping", self._ping)
         app.router.add_get("/metrics", self._metrics)
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_route("GET", path, method_not_allowed)
@@ -253,7 +346,7 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         data = []
         for model in self.replicas.models():
-            card = self.model_cards.get(model) or {
+            card = self.catalog.cards.get(model) or {
                 "id": model,
                 "object": "model",
                 "created": int(clock.wall()),
@@ -266,13 +359,44 @@ class Gateway:
         return _json(200, {"status": "ok"})
 
     async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness is the gateway's own ability to answer: it listens, its config is
+        loaded, it is not draining. A fleet with no usable replica does not make it
+        unready: pulled from the Service, every gateway pod would turn a clean 503 with
+        Retry-After into a connection error. The fleet's state is in the body;
+        `?fleet=1` also requires a usable replica (for tools that wait for capacity)."""
+        ready = self.replicas.any_ready(clock.monotonic())
+        fleet = {"usable_replica": ready, "replicas": len(self.replicas.all())}
         if self.draining:
-            return _json(503, {"status": "draining"})
-        if not self.replicas.any_ready(clock.monotonic()):
-            return _json(503, {"status": "no usable replica"})
-        return _json(200, {"status": "ready"})
+            return _json(503, {"status": "draining", "fleet": fleet})
+        if request.query.get("fleet") == "1" and not ready:
+            return _json(503, {"status": "no usable replica", "fleet": fleet})
+        return _json(200, {"status": "ready", "fleet": fleet})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        # vllm-router's answer (production-stack: {"status": "healthy"}); vLLM's own is
+        # an empty 200. Clients check the status code.
+        return _json(200, {"status": "healthy"})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        from seawall import __version__
+
+        return _json(200, {"version": __version__})  # vLLM's shape
+
+    async def _ping(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "POST"):
+            return _error(ApiError(405, f"Method {request.method} is not allowed on /ping."))
+        return web.Response(status=200)  # vLLM's (SageMaker's) /ping: an empty 200
+
+    def _seed_metrics(self) -> None:
+        """Series the gateway can name in advance exist at zero (see `Metrics.seed`)."""
+        self.metrics.seed(
+            replicas=[(r.id, r.node) for r in self.replicas.all()],
+            models=self.replicas.models(),
+            tenants={name: t.tier for name, t in self.config.tenants.items()},
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self._seed_metrics()  # replicas and models that came or went since the last scrape
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -281,7 +405,8 @@ class Gateway:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
-        """Open the connection pool, start discovery and listen. Returns the bound port."""
+        """Open the connection pool, start the monitor and discovery, listen. Returns the
+        bound port."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=30, enable_cleanup_closed=True
@@ -306,8 +431,15 @@ class Gateway:
                 discovery.engine,
                 apply=self.apply_discovered,
             )
-        self._tasks.append(asyncio.create_task(self._discover_loop()))
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._tasks.append(asyncio.create_task(self.catalog.run(self.session)))
+        self._runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            # The drain sequence (`shutdown`) has ended every request before the runner
+            # is cleaned up; aiohttp's own 60 s wait must not add to its deadline.
+            shutdown_timeout=CUT_GRACE_S,
+        )
         await self._runner.setup()
         site = web.TCPSite(
             self._runner,
@@ -322,70 +454,48 @@ class Gateway:
             await self.admin.start()
         return self.port
 
-    async def _discover_loop(self) -> None:
-        """Learn each replica's served model (and its card) from `GET /v1/models`."""
-        while True:
-            pending = [
-                r for r in self.replicas.all() if r.model is None or r.model not in self.model_cards
-            ]
-            for r in pending:
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                    async with self.session.get(
-                        r.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
-                    ) as resp:
-                        if resp.status != 200:
-                            continue
-                        cards = (await resp.json()).get("data") or []
-                        if not cards:
-                            continue
-                        if r.model is None:
-                            r.model = str(cards[0]["id"])
-                        for card in cards:
-                            if str(card["id"]) not in self.model_cards:
-                                self.model_cards[str(card["id"])] = card
-                                if isinstance(card.get("max_model_len"), int):
-                                    warn_if_context_too_small(
-                                        self.config, str(card["id"]), card["max_model_len"]
-                                    )
-            await asyncio.sleep(1.0 if pending else 5.0)
-
-    async def drain(self, timeout_s: float | None = None) -> int:
-        """Stop taking requests and let in-flight ones finish; return how many were cut."""
+    async def shutdown(self, timeout_s: float | None = None) -> int:
+        """The drain sequence. Returns how many requests its deadline cut."""
+        # 1. Refuse new work: /readyz fails at once (the balancer stops sending) and new
+        #    requests get 503 + Retry-After (`draining`), before anything else changes.
         self.draining = True
         self.metrics.draining.set(1)
-        deadline = clock.monotonic() + (
-            timeout_s if timeout_s is not None else self.config.drain.timeout_s
-        )
-        while self.inflight > 0 and clock.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.inflight
+        # 2. Let what is in flight finish, up to the deadline: an event on the ledger,
+        #    set by the release that brings the count to zero.
+        timeout = self.config.drain.timeout_s if timeout_s is None else timeout_s
+        left = await self.ledger.wait_zero(None, clock.monotonic() + timeout)
+        # 3. At the deadline, end what is left cleanly: a stream gets an error event and
+        #    `data: [DONE]`, a request not yet answered a 503; their upstreams close, so
+        #    the engines abort them.
+        if left:
+            log.warning("drain deadline (%.0fs) reached: cutting %d request(s)", timeout, left)
+            self.ledger.cut_all("gateway_draining")
+            await self.ledger.wait_zero(None, clock.monotonic() + CUT_GRACE_S)
+        else:
+            log.info("drained cleanly")
+        # 4. Close everything, listener first.
+        await self.close()
+        return left
 
     async def close(self) -> None:
+        """Stop listening, then stop what runs in the background, then release what the
+        gateway holds. Requests still running are cancelled (use `shutdown` to drain)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._runner is not None:
-            await self._runner.cleanup()
+            await self._runner.cleanup()  # the listener: no new connections, then closed
         if self.admin is not None:
             await self.admin.close()
         await self.monitor.stop()
         await self.monitor.actuator.close()
-        if self.guard is not None:
-            await self.guard.close()
-        self.pool.close()
+        await self.tenancy.close()
+        self.upstream.close()
         if self._session is not None:
             await self._session.close()
 
 
 def _spec(r: Replica) -> ReplicaSpec:
     return ReplicaSpec(r.id, r.url, r.model or "", r.node, r.engine)
-
-
-def load_fleet_config(config: GatewayConfig) -> FleetMonitorConfig:
-    try:
-        return FleetMonitorConfig.model_validate(config.fleet)
-    except ValidationError as e:
-        text = format_validation_error(e, "fleet")
-        raise ConfigError(text.replace("\n  ", "\n  fleet.")) from None

@@ -19,9 +19,7 @@ log = logging.getLogger("seawall.gateway")
 
 def tier_context_need(config: GatewayConfig) -> dict[str, int | None]:
     """Per tier, prompt + output tokens a request may need (None: unbounded prompt)."""
-    from seawall.gateway.tenancy import load_tenancy
-
-    tiers, tenants, _, _ = load_tenancy(config)
+    tiers, tenants = config.tiers, config.tenants
     # Only tiers that some tenant uses (an open gateway uses the default tier).
     in_use = {t.tier for t in tenants.values()} if tenants else {"default"}
     need: dict[str, int | None] = {}
@@ -35,9 +33,7 @@ def tier_context_need(config: GatewayConfig) -> dict[str, int | None]:
 
 def engine_flags(config: GatewayConfig) -> list[tuple[str, str | None, str]]:
     """(flag, value or None for a placeholder, why)."""
-    from seawall.gateway.tenancy import load_tenancy
-
-    _, _, _, admission = load_tenancy(config)
+    admission = config.admission
     need = tier_context_need(config)
     bounded = [n for n in need.values() if n is not None]
     flags: list[tuple[str, str | None, str]] = []

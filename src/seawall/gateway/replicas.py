@@ -1,10 +1,12 @@
 """The gateway's own, request-path view of each replica, and the choice of one.
 
-Owns what only the request path knows: in-flight counts, chunks relayed, short passive
-ejections (a replica that refuses connections is skipped at once, before any monitor
-notices), and engine back-off (an upstream 429/503 marks the replica saturated for its
-Retry-After). What the fleet monitor knows (readiness, health score, scraped load,
-admission saturation) arrives as an immutable `FleetSnapshot` that is read, never waited on.
+Owns what only the request path knows: chunks relayed and the quality the gateway sees
+(TTFT, ITL, errors), short passive ejections (a replica that refuses connections is
+skipped at once, before any monitor notices), and engine back-off (an upstream 429/503
+marks the replica saturated for its Retry-After). In-flight counts belong to the ledger
+(`inflight.py`); each replica holds a reference to its own `Counts` there. What the
+fleet monitor knows (readiness, operator holds, health score, scraped load) arrives as
+an immutable `FleetSnapshot` that is read, never waited on.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from seawall.fleet.signals import Observed
 from seawall.fleet.view import FleetSnapshot, ReplicaView
 from seawall.gateway.h1 import Endpoint
+from seawall.gateway.inflight import Counts, InFlight
 from seawall.policy.balance import pick, replica_cost
 
 # Weight of the newest sample in the gateway's moving averages: about the last 20 requests.
@@ -26,22 +30,20 @@ class Replica:
     id: str
     url: str
     model: str | None
-    node: str
+    node: str | None  # None: its own failure domain (see seawall.config.ReplicaConfig)
     api_key: str | None = None
     engine: str = "auto"
-    inflight: int = 0
-    reserved_blocks: int = 0  # KV blocks requests in flight may grow to (KV admission)
     kv_block_size: int = 16  # learned from the engine's cache config; vLLM's default
-    streams: int = 0  # streaming responses being relayed now
     chunks_relayed: int = 0
     ejected_until: float = 0.0
     backoff_until: float = 0.0
-    draining: bool = False
     # Gateway-observed quality, fed to the health score.
     ttft_ewma_s: float | None = None
     itl_ewma_s: float | None = None
     error_ewma: float = 0.0
     endpoint: Endpoint = field(init=False)
+    # This replica's live counts in the in-flight ledger (set by `ReplicaSet.add`).
+    counts: Counts = field(init=False, default_factory=Counts)
 
     def __post_init__(self) -> None:
         self.endpoint = Endpoint.parse(self.url)
@@ -62,8 +64,9 @@ _ALWAYS_ROUTABLE = ReplicaView("", "", "", "")
 
 
 class ReplicaSet:
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, ledger: InFlight, rng: random.Random | None = None) -> None:
         self._replicas: dict[str, Replica] = {}
+        self._ledger = ledger
         self._rng = rng or random.Random()
         self.snapshot: Callable[[], FleetSnapshot] = lambda: FleetSnapshot()
         # Admission's verdict per replica (None = may take work); default: the snapshot's.
@@ -72,9 +75,11 @@ class ReplicaSet:
         )
 
     def add(self, replica: Replica) -> None:
+        replica.counts = self._ledger.counts(replica.id)
         self._replicas[replica.id] = replica
 
     def remove(self, replica_id: str) -> Replica | None:
+        self._ledger.forget(replica_id)
         return self._replicas.pop(replica_id, None)
 
     def get(self, replica_id: str) -> Replica | None:
@@ -94,7 +99,7 @@ class ReplicaSet:
 
     def usable(self, replica: Replica, now: float, snap: FleetSnapshot) -> bool:
         """Routable for a new request, ignoring admission saturation."""
-        if replica.draining or replica.ejected_until > now or replica.backoff_until > now:
+        if replica.ejected_until > now or replica.backoff_until > now:
             return False
         return self.view(replica, snap).routable
 
@@ -120,8 +125,8 @@ class ReplicaSet:
         def cost(r: Replica) -> float:
             v = snap.replicas.get(r.id)
             if v is None:
-                return replica_cost(r.inflight, 1.0, None)
-            return replica_cost(r.inflight, v.score, v.load.kv_usage if v.load else None)
+                return replica_cost(r.counts.requests, 1.0, None)
+            return replica_cost(r.counts.requests, v.score, v.load.kv_usage if v.load else None)
 
         return pick(candidates, cost, self._rng)
 
@@ -133,3 +138,33 @@ class ReplicaSet:
 def blocks_for(tokens: int, block_size: int) -> int:
     """KV blocks `tokens` occupy: whole blocks, as the engine allocates them."""
     return -(-tokens // max(block_size, 1)) if tokens > 0 else 0
+
+
+class ReplicaSignals:
+    """The fleet monitor's `GatewaySignals`, from this gateway's ledger and replicas.
+
+    The gateway keeps moving averages rather than percentiles; they stand in for p50."""
+
+    def __init__(self, replicas: ReplicaSet, ledger: InFlight) -> None:
+        self._replicas = replicas
+        self._ledger = ledger
+
+    def requests_in_flight(self, replica_id: str) -> int:
+        return self._ledger.counts(replica_id).requests
+
+    def streams_in_flight(self, replica_id: str) -> int:
+        return self._ledger.counts(replica_id).streams
+
+    def chunks_relayed_total(self, replica_id: str) -> int:
+        r = self._replicas.get(replica_id)
+        return r.chunks_relayed if r is not None else 0
+
+    def observed(self, replica_id: str) -> Observed:
+        r = self._replicas.get(replica_id)
+        if r is None:
+            return Observed()
+        return Observed(r.ttft_ewma_s, r.itl_ewma_s, r.error_ewma)
+
+    async def wait_idle(self, replica_id: str, deadline: float) -> int:
+        """Until nothing is in flight on the replica, or the monotonic `deadline`."""
+        return await self._ledger.wait_zero(replica_id, deadline)

@@ -23,18 +23,44 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
 from seawall import clock
-from seawall.actuate.base import ReplicaRef
+from seawall.actuate.base import DrainReport, ReplicaRef
+from seawall.gateway.replicas import Replica, ReplicaSet
+from seawall.metrics import Metrics
 
 if TYPE_CHECKING:
     from seawall.actuate.local import LocalSupervisor
-    from seawall.gateway.app import Gateway
 
 log = logging.getLogger("seawall.rollout")
+
+
+class FleetOps(Protocol):
+    """What a rollout (and the admin API) needs of the gateway: its replica set and
+    metrics, and the two operations that change the fleet."""
+
+    replicas: ReplicaSet
+    metrics: Metrics
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    def add_replica(
+        self,
+        replica_id: str,
+        url: str,
+        model: str | None,
+        node: str | None = ...,
+        api_key: str | None = ...,
+        engine: str = ...,
+    ) -> Replica: ...
+
+    async def drain_replica(
+        self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
+    ) -> DrainReport: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +109,7 @@ class RolloutReport:
 
 
 class Rollout:
-    def __init__(self, gw: Gateway, supervisor: LocalSupervisor, opts: RolloutOptions) -> None:
+    def __init__(self, gw: FleetOps, supervisor: LocalSupervisor, opts: RolloutOptions) -> None:
         self.gw = gw
         self.sup = supervisor
         self.opts = opts
@@ -107,7 +133,13 @@ class Rollout:
         rep.ready_before = rep.ready_min_during = self._ready_count()
         watcher = asyncio.create_task(self._watch_ready())
         try:
-            olds = [r for r in self.gw.replicas.all() if not r.draining]
+            snap = self.gw.replicas.snapshot()
+            # Replicas an operator holds out of routing are not the rollout's to replace.
+            olds = [
+                r
+                for r in self.gw.replicas.all()
+                if r.id not in snap.replicas or not snap.replicas[r.id].held
+            ]
             for i in range(0, len(olds), self.opts.max_surge):
                 await self._replace(olds[i : i + self.opts.max_surge])
             rep.state = "done"
@@ -207,7 +239,7 @@ class RolloutFailed(Exception):
     pass
 
 
-def _failure_counts(gw: Gateway) -> tuple[int, int]:
+def _failure_counts(gw: FleetOps) -> tuple[int, int]:
     failed = 0
     for metric in gw.metrics.requests.collect():
         for s in metric.samples:
@@ -223,7 +255,7 @@ def _failure_counts(gw: Gateway) -> tuple[int, int]:
     return failed, dropped
 
 
-def _ttft_totals(gw: Gateway) -> tuple[float, float]:
+def _ttft_totals(gw: FleetOps) -> tuple[float, float]:
     count = total = 0.0
     for metric in gw.metrics.ttft.collect():
         for s in metric.samples:

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from seawall import clock
 from seawall.admin_args import add_admin_arguments
 
 
@@ -58,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
         body["command"] = shlex.split(args.new_command)
     try:
         _call(base, args.admin_token, body)
-        deadline = time.monotonic() + args.timeout
+        deadline = clock.monotonic() + args.timeout
         while True:  # bounded by --timeout
             report = _call(base, args.admin_token)
-            if report["state"] != "running" or time.monotonic() > deadline:
+            if report["state"] != "running" or clock.monotonic() > deadline:
                 break
             time.sleep(0.5)
     except urllib.error.HTTPError as e:

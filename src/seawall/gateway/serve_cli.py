@@ -60,12 +60,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             timeouts[key] = value
     data["timeouts"] = timeouts
     config = parse_config(data, args.config or "command line")
-    from seawall.gateway.app import load_fleet_config
-    from seawall.gateway.tenancy import load_tenancy
-
-    load_tenancy(config)  # tenants, tiers, rate limits, admission: fail here, not at start
-    load_fleet_config(config)
-    if not config.replicas and load_fleet_config(config).discovery is None:
+    if not config.replicas and config.fleet.discovery is None:
         raise ConfigError(
             "no replicas: pass --replica URL, list them under `replicas:` in --config, "
             "or configure fleet.discovery"
@@ -78,19 +73,21 @@ async def serve(config: GatewayConfig, access_log: bool = True) -> int:
 
     gw = Gateway(config, access_log=access_log)
     port = await gw.start()
-    log.info("seawall gateway listening on http://%s:%d", config.listen.host, port)
+    # On stdout whatever the log level: with `port: 0`, this line is how a supervisor
+    # (or a test) learns the address.
+    print(f"seawall gateway listening on http://{config.listen.host}:{port}", flush=True)
+    if gw.admin is not None and gw.admin.port is not None:
+        print(
+            f"seawall admin API listening on http://{config.admin.host}:{gw.admin.port}",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining: %d request(s) in flight, up to %.0fs", gw.inflight, config.drain.timeout_s)
-    cut = await gw.drain()
-    if cut:
-        log.warning("drain deadline reached with %d request(s) still in flight; cutting them", cut)
-    else:
-        log.info("drained cleanly")
-    await gw.close()
+    await gw.shutdown()
     return 0
 
 

@@ -1,37 +1,122 @@
-"""The admission stack: which layers run before a replica is chosen, in which order, and why.
+"""The admission stack: the steps every request passes before a replica is chosen, in
+order, each with the reason for its place. Written once, here, as code.
 
-Order (each layer refuses before the next one spends anything):
-1. auth: who is asking decides every limit below; an unknown key costs nothing more.
-2. tier limits (prompt tokens, max_tokens): a request that can never be served is refused
-   before it takes a rate-limit token or a concurrency slot.
-3. rate limits and tenant concurrency: charged only for requests that passed 1-2, so a
-   rejected oversized request does not eat the tenant's budget.
-4. fleet admission (saturation): last, because it may queue; a request that would be
-   refused anyway must not wait in the queue first.
-The retry budget, hedging and balancing run after these, in `proxy.py`.
+A step refuses by raising `ApiError`; a request that passes every step goes on to the
+dispatcher (choose, attempt, retry, hedge: `dispatch.py`) and then the relay.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from seawall.gateway.app import Gateway
+from aiohttp import web
+
+from seawall.errors import ApiError, clip, unavailable
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.fleet_admission import FleetAdmission
+from seawall.gateway.replicas import ReplicaSet
+from seawall.gateway.tenancy import Tenancy
+from seawall.protocol.openai import parse
 
 
-def install_layers(gw: Gateway) -> None:
-    """Attach the admission layers: always on (an open gateway still gets tier defaults
-    and fleet admission); tenants, rates and Redis only when configured."""
-    from seawall.gateway.tenancy import TenancyGuard, load_tenancy, warn_if_open
-    from seawall.state.limits import open_limits_backend
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    run: Callable[[web.Request, RequestCtx], Awaitable[None]]
+    why: str
 
-    _, _, rate, _ = load_tenancy(gw.config)
-    backend = open_limits_backend(
-        rate.redis_url if rate.backend == "redis" else None,
-        fail_mode=rate.fail_mode,
-        key_prefix=rate.key_prefix,
-        # A lease outlives the longest request, so only a crashed gateway's leases expire.
-        lease_ttl_s=gw.config.timeouts.total_s + 60.0,
+
+def admission_stack(
+    *,
+    draining: Callable[[], bool],
+    drain_retry_after_s: float,
+    tenancy: Tenancy,
+    max_body_bytes: int,
+    replicas: ReplicaSet,
+    fleet: FleetAdmission,
+) -> tuple[Step, ...]:
+    async def refuse_while_draining(request: web.Request, ctx: RequestCtx) -> None:
+        if draining():
+            raise unavailable(
+                "The gateway is draining; retry on another instance.",
+                retry_after_s=drain_retry_after_s,
+                code="draining",
+            )
+
+    async def authenticate(request: web.Request, ctx: RequestCtx) -> None:
+        tenancy.authenticate(request.headers, ctx)
+
+    async def read_body(request: web.Request, ctx: RequestCtx) -> None:
+        ctx.req = parse(ctx.route, await _read(request, max_body_bytes))
+
+    async def known_model(request: web.Request, ctx: RequestCtx) -> None:
+        model = ctx.model
+        if not replicas.serves(model):
+            raise ApiError(
+                404,
+                f"The model `{clip(model)}` does not exist. Valid models: "
+                f"{', '.join(replicas.models()) or '(none yet)'}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def tier_limits(request: web.Request, ctx: RequestCtx) -> None:
+        tenancy.tier_limits(ctx)
+
+    async def rates(request: web.Request, ctx: RequestCtx) -> None:
+        await tenancy.rates(ctx)
+
+    async def fleet_admission(request: web.Request, ctx: RequestCtx) -> None:
+        await fleet.admit(ctx)
+
+    return (
+        Step(
+            "draining",
+            refuse_while_draining,
+            "a gateway that is going away starts no new work, and says so before it reads anything",
+        ),
+        Step(
+            "auth",
+            authenticate,
+            "who is asking decides every limit below; from the headers alone, so a "
+            "caller without a valid key learns nothing (no model list, no body errors) "
+            "and costs no body read",
+        ),
+        Step(
+            "body",
+            read_body,
+            "read (bounded by limits.max_body_bytes) and parse only for a known caller; "
+            "bad input is refused before anything is spent upstream",
+        ),
+        Step("model", known_model, "a model the fleet does not serve can never succeed"),
+        Step(
+            "tier_limits",
+            tier_limits,
+            "prompt and max_tokens limits: a request that can never be served is refused "
+            "before it takes a rate-limit token or a concurrency slot",
+        ),
+        Step(
+            "rates",
+            rates,
+            "tenant rates and concurrency, charged only for requests that passed the "
+            "limits above, so a refused oversized request does not eat the tenant's budget",
+        ),
+        Step(
+            "fleet",
+            fleet_admission,
+            "fleet saturation last, because it may queue: a request that would be "
+            "refused anyway must not wait in the queue first",
+        ),
     )
-    gw.guard = TenancyGuard(gw, backend)
-    warn_if_open(gw.config)
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(
+            413, f"Request body is {request.content_length} bytes; the limit is {limit}."
+        )
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"Request body is over the limit of {limit} bytes.") from None

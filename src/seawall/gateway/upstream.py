@@ -1,49 +1,83 @@
-"""One upstream attempt, up to and including the first token.
+"""One upstream attempt, up to and including the first token, behind the `Upstream` seam.
 
 The gateway holds the client's response until the first token chunk has arrived (vLLM
 commits stream headers before any token), so everything that can go wrong before that
 point is still a clean, retryable failure: connection refused or reset, a 5xx, an
-error event, silence past the time-to-first-token deadline. This module turns each of
-those into one `AttemptFailed` with an outcome name (the `outcome` label of
-`seawall_upstream_attempts_total`) and says whether another replica may be tried.
+error event, silence past the time-to-first-token deadline. An attempt either returns
+`Opened` or raises one `AttemptFailed` whose `outcome` (an `outcomes.Attempt`) says what
+happened; the outcome's rules say whether another replica may be tried.
 
-It must not decide retries, pick replicas or touch the client: the proxy does that.
+`Upstream` is the seam: the request path (`dispatch.py`, `relay.py`) needs only `open`
+and, once a stream is open, the `UpstreamStream` members below. `H1Upstream` is the
+production implementation over the hand-written HTTP/1.1 pool (`h1.py`); layer tests
+script their own.
+
+It must not decide retries, pick replicas or touch the client: the dispatcher does that.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from seawall import clock
-from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool
+from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool, Sink
+from seawall.gateway.outcomes import Attempt, Failure
 from seawall.gateway.replicas import Replica
 from seawall.protocol.openai import ParsedRequest
 from seawall.protocol.sse import Event, Kind, SSEBuffer, classify
+
+if TYPE_CHECKING:
+    from seawall.gateway.inflight import Hold
 
 # Bodies of upstream errors are relayed to the client; cap what we hold in memory.
 _MAX_ERROR_BODY = 64 * 1024
 
 
 class AttemptFailed(Exception):
-    def __init__(
-        self,
-        outcome: str,
-        retryable: bool,
-        message: str,
-        status: int | None = None,
-        body: bytes | None = None,
-        retry_after_s: float | None = None,
-        content_type: str = "application/json",
-    ) -> None:
-        super().__init__(message)
-        self.outcome = outcome
-        self.retryable = retryable
-        self.message = message
-        self.status = status
-        self.body = body
-        self.retry_after_s = retry_after_s
-        self.content_type = content_type
+    """One attempt failed before its first token; `failure` says how."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+    @property
+    def outcome(self) -> Attempt:
+        return self.failure.outcome
+
+    @property
+    def message(self) -> str:
+        return self.failure.message
+
+
+def _failed(
+    outcome: Attempt,
+    message: str,
+    *,
+    status: int | None = None,
+    body: bytes | None = None,
+    content_type: str = "application/json",
+    retry_after_s: float | None = None,
+) -> AttemptFailed:
+    return AttemptFailed(Failure(outcome, message, status, body, content_type, retry_after_s))
+
+
+class UpstreamStream(Protocol):
+    """An upstream response being read: what the relay needs of it (see `H1Connection`)."""
+
+    headers: dict[str, str]
+    complete: bool  # the response ended
+    stopped: bool  # the sink ended the relay
+    paused: bool  # reading paused until the client's socket drains
+
+    def relay(self, sink: Sink) -> None: ...
+    async def wait_relay(self) -> None: ...
+    def detach(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -51,17 +85,39 @@ class Opened:
     """An upstream response that has produced its first token (or its whole body)."""
 
     replica: Replica
-    conn: H1Connection
+    conn: UpstreamStream
     head: list[Event]  # streaming: events read so far, the first token last
     sse: SSEBuffer
     body: bytes | None  # non-streaming: the whole body
     opened_at: float  # monotonic, when the attempt started
     first_token_at: float
+    hold: Hold | None = None  # the attempt's claim in the in-flight ledger
 
     def close(self) -> None:
         """Done with the upstream: its connection is reused if the response was read to
-        the end, and closed otherwise (the engine then aborts the request)."""
+        the end, and closed otherwise (the engine then aborts the request); the attempt's
+        in-flight claim is released (once, whichever path calls this)."""
         self.conn.release()
+        if self.hold is not None:
+            self.hold.release()
+
+
+class Upstream(Protocol):
+    async def open(
+        self,
+        replica: Replica,
+        path: str,
+        req: ParsedRequest,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
+        timeout_outcome: Attempt,
+    ) -> Opened:
+        """Send the request and wait for its first token (streaming) or whole body;
+        raise `AttemptFailed` otherwise. Cancellation closes the connection."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -80,17 +136,39 @@ def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
     return headers
 
 
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+class H1Upstream:
+    """`Upstream` over the keep-alive HTTP/1.1 pool."""
+
+    def __init__(self, pool: H1Pool) -> None:
+        self.pool = pool
+
+    async def open(
+        self,
+        replica: Replica,
+        path: str,
+        req: ParsedRequest,
+        body: bytes,
+        request_id: str,
+        timeout_s: float,
+        timeout_outcome: Attempt,
+    ) -> Opened:
+        return await open_attempt(
+            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome
+        )
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 async def open_attempt(
     pool: H1Pool,
     replica: Replica,
+    path: str,
     req: ParsedRequest,
     body: bytes,
     request_id: str,
     timeout_s: float,
-    timeout_outcome: str,
+    timeout_outcome: Attempt,
 ) -> Opened:
     """Send the request and wait for its first token (streaming) or whole body.
 
@@ -102,7 +180,7 @@ async def open_attempt(
     try:
         async with asyncio.timeout(timeout_s):
             conn = await pool.request(
-                replica.endpoint, _PATHS[req.route], upstream_headers(replica, request_id), body
+                replica.endpoint, path, upstream_headers(replica, request_id), body
             )
             if conn.status != 200:
                 raise await _http_failure(conn)
@@ -115,19 +193,17 @@ async def open_attempt(
             while True:
                 chunk = await conn.read()
                 if not chunk:
-                    raise AttemptFailed("reset", True, "upstream closed before the first token")
+                    raise _failed(Attempt.reset, "upstream closed before the first token")
                 got_token = False
                 # Every complete event of this read goes into the head, including those
                 # after the first token: a short answer can arrive whole in one read.
                 for raw in sse.feed(chunk):
                     ev = classify(raw)
                     if ev.kind is Kind.ERROR and not got_token:
-                        raise AttemptFailed(
-                            "error_event", True, _error_message(ev), status=502, body=None
-                        )
+                        raise _failed(Attempt.error_event, _error_message(ev), status=502)
                     if ev.kind is Kind.ABORT and not got_token:
                         # vLLM shutting down (abort mode) answers with an empty abort.
-                        raise AttemptFailed("aborted", True, "upstream aborted the request")
+                        raise _failed(Attempt.aborted, "upstream aborted the request")
                     head.append(ev)
                     if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
                         got_token = True
@@ -140,15 +216,13 @@ async def open_attempt(
     except TimeoutError:
         if conn is not None:
             conn.close()
-        raise AttemptFailed(
-            timeout_outcome, True, f"no first token within {timeout_s:.3g}s"
-        ) from None
+        raise _failed(timeout_outcome, f"no first token within {timeout_s:.3g}s") from None
     except ConnectFailed as e:
-        raise AttemptFailed("connect_error", True, f"cannot connect to {replica.id}: {e}") from None
+        raise _failed(Attempt.connect_error, f"cannot connect to {replica.id}: {e}") from None
     except ConnectionError as e:
         if conn is not None:
             conn.close()
-        raise AttemptFailed("reset", True, f"{replica.id}: {type(e).__name__}: {e}") from None
+        raise _failed(Attempt.reset, f"{replica.id}: {type(e).__name__}: {e}") from None
     except BaseException:
         # Cancelled (client left, hedge lost, shutdown): close the connection so the
         # engine sees the disconnect and aborts the request at once.
@@ -167,9 +241,8 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
     message = f"upstream answered {status}"
     if status in (429, 503):
         # Engine admission: a signal to back off from this replica, not a broken one.
-        return AttemptFailed(
-            "http_429",
-            True,
+        return _failed(
+            Attempt.http_429,
             message,
             status=status,
             body=body,
@@ -177,19 +250,16 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
             content_type=ctype,
         )
     if status >= 500:
-        return AttemptFailed(
-            "http_5xx", True, message, status=status, body=body, content_type=ctype
-        )
+        return _failed(Attempt.http_5xx, message, status=status, body=body, content_type=ctype)
     if 300 <= status < 400:
         # Not followed: a replica URL that redirects is misconfigured (http -> https, a
         # moved path), and re-sending a prompt to wherever it points is not ours to do.
         where = conn.headers.get("location", "(no Location)")
-        return AttemptFailed(
-            "redirect",
-            True,
+        return _failed(
+            Attempt.redirect,
             f"{message}, redirecting to {where}: set the replica's URL to that address",
         )
-    return AttemptFailed("http_4xx", False, message, status=status, body=body, content_type=ctype)
+    return _failed(Attempt.http_4xx, message, status=status, body=body, content_type=ctype)
 
 
 def _error_message(ev: Event) -> str:

@@ -8,8 +8,10 @@ in `ops.drift`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from dataclasses import fields
@@ -18,11 +20,25 @@ from pathlib import Path
 import yaml
 
 from seawall.ops import rules
-from seawall.ops.drift import find_drift, is_gateway_name
+from seawall.ops.drift import escaped_name, find_drift, is_gateway_name
 from seawall.ops.engines import ENGINES
-from seawall.ops.promql import exposed_sample_names, metric_names
+from seawall.ops.promql import metric_names, stored_sample_names
 
 FETCH_TIMEOUT_S = 10.0
+
+# The Accept header each scraper sends, so the check sees the answer Prometheus gets:
+# an engine may negotiate (prometheus_client's exporters do) and rename samples.
+SCRAPER_ACCEPT = {
+    # Prometheus 2.x (2.42, Debian 12): scrape/scrape.go `scrapeAcceptHeader`.
+    "prometheus-2": "application/openmetrics-text;version=1.0.0,"
+    "application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    # Prometheus 3.x with its default UTF-8 name validation: `escaping=allow-utf-8`.
+    "prometheus-3": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    # curl, the gateway's own scraper.
+    "plain": "text/plain",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report metric names the rules or the fleet adapter use that a scrape lacks",
         description="Exit status 1 when any name is missing (drift), 2 when the scrape fails.",
     )
-    check.add_argument("--metrics-url", required=True, help="an engine's or gateway's /metrics")
+    source = check.add_mutually_exclusive_group(required=True)
+    source.add_argument("--metrics-url", help="an engine's or gateway's /metrics")
+    source.add_argument(
+        "--prometheus-url",
+        help="a Prometheus server: check the names it has stored (what the rules read)",
+    )
+    check.add_argument(
+        "--scraper",
+        choices=sorted(SCRAPER_ACCEPT),
+        default="prometheus-2",
+        help="with --metrics-url: fetch with this scraper's Accept header, so renamed "
+        "samples show (default: prometheus-2, the one that gets escaped names)",
+    )
+    check.add_argument("--job", help="with --prometheus-url: only names stored for this scrape job")
     check.add_argument("--rules", help="a rule file to check (default: the generated rules)")
     check.add_argument(
         "--engine",
@@ -101,25 +130,40 @@ def _write(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch(url: str) -> str:
-    # A plain Accept header: with OpenMetrics some clients rewrite `vllm:` sample names
-    # (engines.md §1.1), and the fleet scraper reads the plain format too.
-    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+def _fetch(url: str, accept: str) -> tuple[str, str]:
+    """Body and Content-Type, asked for as the chosen scraper asks."""
+    req = urllib.request.Request(url, headers={"Accept": accept})
     with urllib.request.urlopen(req, timeout=FETCH_TIMEOUT_S) as resp:
         body: bytes = resp.read()
-    return body.decode("utf-8", errors="replace")
+        content_type = str(resp.headers.get("Content-Type", ""))
+    return body.decode("utf-8", errors="replace"), content_type
+
+
+def _stored_names(prometheus_url: str, job: str | None) -> set[str]:
+    """Every metric name the server holds (for `job` only, when given)."""
+    url = prometheus_url.rstrip("/") + "/api/v1/label/__name__/values"
+    if job:
+        url += "?" + urllib.parse.urlencode({"match[]": f'{{job="{job}"}}'})
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:
+        doc = json.loads(resp.read())
+    return {str(n) for n in doc.get("data") or []}
 
 
 def _check(args: argparse.Namespace) -> int:
     from seawall.fleet.adapters import ADAPTER_METRICS, EngineKind, detect_engine
 
+    target = args.metrics_url or args.prometheus_url
     try:
-        text = _fetch(args.metrics_url)
-    except (urllib.error.URLError, OSError) as e:
-        print(f"seawall alerts check: cannot read {args.metrics_url}: {e}", file=sys.stderr)
+        if args.metrics_url:
+            text, content_type = _fetch(args.metrics_url, SCRAPER_ACCEPT[args.scraper])
+            exposed = stored_sample_names(text, content_type)
+            detected = detect_engine(text)
+        else:
+            exposed = _stored_names(args.prometheus_url, args.job)
+            detected = None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"seawall alerts check: cannot read {target}: {e}", file=sys.stderr)
         return 2
-    exposed = exposed_sample_names(text)
-    detected = detect_engine(text)
     engine = args.check_engine or args.engine
     if engine is None:
         engine = "vllm" if detected in (None, EngineKind.VLLM_LEGACY) else str(detected)
@@ -144,7 +188,14 @@ def _check(args: argparse.Namespace) -> int:
 
     is_gateway = any(is_gateway_name(n) for n in exposed)
     scope = args.scope
-    if scope == "auto":
+    if scope == "auto" and args.prometheus_url:
+        # One server holds both: check what it holds, the engines' names only when some
+        # engine series is there at all (a job of gateways alone has none).
+        has_engine = any(not is_gateway_name(n) and n in used for n in exposed) or any(
+            escaped_name(n) in exposed for n in used if not is_gateway_name(n)
+        )
+        scope = "all" if is_gateway and has_engine else "gateway" if is_gateway else "engine"
+    elif scope == "auto":
         scope = "gateway" if is_gateway and detected is None else "engine"
     drifts = find_drift(
         used,
@@ -161,12 +212,13 @@ def _check(args: argparse.Namespace) -> int:
     if not drifts:
         print(
             f"ok: all {checked} {scope} metric names used by {source} and the fleet adapter "
-            f"are exported by {args.metrics_url}"
+            f"are {'stored by' if args.prometheus_url else 'exported by'} {target}"
         )
         return 0
     print(
         f"drift: {len(drifts)} of {checked} {scope} metric names used by {source} or the "
-        f"fleet adapter are not exported by {args.metrics_url}; alerts over them never fire:"
+        f"fleet adapter are not {'stored by' if args.prometheus_url else 'exported by'} "
+        f"{target}; alerts over them never fire:"
     )
     for d in drifts:
         print("  " + d.describe())

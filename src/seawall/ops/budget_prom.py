@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.budget import SECONDS_PER_DAY, Workload
 
 PLANNED_REASONS = "rollout|planned|upgrade|drain|drained"

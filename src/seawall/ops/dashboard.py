@@ -1,6 +1,6 @@
 """The Grafana dashboard Seawall ships (deploy/grafana/seawall-dashboard.json).
 
-Owns the panels and their PromQL. Every name comes from `seawall.gateway.metrics` or
+Owns the panels and their PromQL. Every name comes from `seawall.metrics` or
 `ops.engines`, and a test checks each query's metrics against the gateway's registry
 and a real engine scrape, so a panel never graphs a series nobody exports.
 
@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.engines import ENGINE_NAMES
 
 RATE = "[$__rate_interval]"
@@ -71,6 +71,11 @@ def _sections(engine: str) -> list[tuple[str, list[tuple[str, str, list[tuple[st
             "Timeouts by kind",
             "reqps",
             [(f"sum by (kind) (rate({m.TIMEOUTS}{RATE}))", "{{kind}}")],
+        ),
+        (
+            "Streams cut mid-way, by cause",
+            "reqps",
+            [(f"sum by (reason) (rate({m.STREAM_ERRORS}{RATE}))", "{{reason}}")],
         ),
         (
             "Hedges and migrations",

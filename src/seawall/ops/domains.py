@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.engines import ENGINE_NAMES
 
 State = Mapping[str, Any]
@@ -185,7 +185,7 @@ DOMAINS: tuple[Domain, ...] = (
             "deep probes and the progress watchdog restart the replica",
             "mid-stream migration of streams that were in flight",
         ),
-        (m.RETRIES, m.TIMEOUTS, m.DEEP_PROBE_FAILURES, m.RESTARTS, m.MIGRATIONS),
+        (m.RETRIES, m.TIMEOUTS, m.DEEP_PROBE_FAILURES, m.RESTARTS, m.MIGRATIONS, m.STREAM_ERRORS),
         _live_crash,
     ),
     Domain(

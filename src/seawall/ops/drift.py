@@ -11,8 +11,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from seawall.ops.engines import previous_name_of, removal_reason, rename_of
+from seawall.ops.promql import escape_underscores
 
 GATEWAY_PREFIX = "seawall_"
+RELABEL_HINT = (
+    "keep the metric_relabel_configs of deploy/prometheus/prometheus.yml (they restore "
+    "the colon), or scrape vLLM's /metrics, which never negotiates"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +51,20 @@ def find_drift(
     return drifts
 
 
+def escaped_name(name: str) -> str:
+    """`name` as prometheus_client 0.23+ writes a sample when asked for OpenMetrics
+    without `escaping=allow-utf-8` (Prometheus 2.x): `vllm:x` -> `vllm_x`."""
+    return escape_underscores(name)
+
+
 def _hint(name: str, exposed: set[str]) -> str:
+    escaped = escaped_name(name)
+    if escaped != name and escaped in exposed:
+        return (
+            f"stored as {escaped}: the target answered OpenMetrics with escaped names "
+            "(prometheus_client 0.23+ negotiating with Prometheus 2.x, as vLLM's /metrics/ "
+            f"mount and prometheus_client's own exporters do); {RELABEL_HINT}"
+        )
     newer = rename_of(name)
     if newer is not None:
         state = "exported" if newer in exposed else "also not exported"

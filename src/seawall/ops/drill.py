@@ -32,8 +32,8 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from seawall import clock
-from seawall.gateway.metrics import REQUESTS, SHED, UPSTREAM_ATTEMPTS
 from seawall.loadgen import RequestResult, run_load, summarise
+from seawall.metrics import REQUESTS, SHED, UPSTREAM_ATTEMPTS
 
 Scenario = Literal["crash-mid-stream", "hang", "preemption-storm", "overload", "rolling-restart"]
 SCENARIOS: tuple[Scenario, ...] = (

@@ -4,7 +4,7 @@ Owns: for each engine (vLLM, SGLang, TGI, llama.cpp), the metric each alert rule
 and every engine metric rename or removal we know of. `--engine` swaps one table for
 another; the drift check explains a missing name with the rename table.
 
-Must not: do I/O, or name a gateway metric (those live in `seawall.gateway.metrics`).
+Must not: do I/O, or name a gateway metric (those live in `seawall.metrics`).
 The load signals (running, waiting, KV usage, preemptions) are taken from the fleet
 monitor's adapters (`seawall.fleet.adapters`), so both read the same series.
 """

@@ -130,3 +130,43 @@ def _declared(fields: list[str]) -> set[str]:
     if kind == "counter" and not name.endswith("_total"):
         return {name + "_total"}  # OpenMetrics declares counters without the suffix
     return {name}
+
+
+def escape_underscores(name: str) -> str:
+    """prometheus_client's `underscores` escaping of a sample name: every character
+    outside [a-zA-Z0-9_] becomes `_` (the client checks sample names with its label-name
+    rule, so the `:` of `vllm:` goes too; its `# TYPE` lines keep it)."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+
+
+def stored_sample_names(text: str, content_type: str = "") -> set[str]:
+    """The metric names a Prometheus server stores from this scrape: the names on the
+    sample lines, which are not always the `# TYPE` names (prometheus_client 0.23+
+    escapes samples, not TYPE lines, when the answer says `escaping=underscores`). A
+    family with no sample yet counts by its `# TYPE` line, escaped the same way."""
+    samples: set[str] = set()
+    declared: dict[str, set[str]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("# TYPE "):
+            fields = line.split()[2:]
+            if fields:
+                declared[fields[0]] = _declared(fields)
+            continue
+        if not line or line.startswith("#"):
+            continue
+        end = len(line)
+        for stop in ("{", " "):
+            at = line.find(stop)
+            if at != -1:
+                end = min(end, at)
+        samples.add(line[:end])
+    escaped = "escaping=underscores" in content_type.replace(" ", "")
+    names = set(samples)
+    for family, family_samples in declared.items():
+        if escaped:
+            family_samples = {escape_underscores(n) for n in family_samples}
+            family = escape_underscores(family)
+        if not any(s == family or s.startswith(family + "_") for s in samples):
+            names |= family_samples
+    return names

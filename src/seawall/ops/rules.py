@@ -2,7 +2,7 @@
 
 Owns the rule set (engine alerts per `--engine`, and the gateway's own alerts), the
 thresholds and windows operators may change (`AlertConfig`), and the YAML rendering.
-Gateway names come from `seawall.gateway.metrics`, engine names from `ops.engines`:
+Gateway names come from `seawall.metrics`, engine names from `ops.engines`:
 nothing here retypes a metric name, so a rename breaks a test instead of an alert.
 
 Must not do I/O: `seawall alerts` (ops/alerts_cli.py) writes the file.
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from seawall.gateway import metrics as m
+from seawall import metrics as m
 from seawall.ops.engines import ENGINE_NAMES, EngineNames
 
 _DURATION = re.compile(r"^\d+(ms|s|m|h|d|w|y)$")
@@ -67,6 +67,11 @@ class AlertConfig:
     deep_probe_failures: float = _opt(3.0, "deep-probe failures per replica that alert")
     deep_probe_window: str = _opt("5m", "window for deep-probe failures")
     cordon_for: str = _opt("0m", "how long a node must stay cordoned before alerting")
+    stream_error_ratio: float = _opt(
+        0.01, "fraction of answered requests whose stream was cut mid-way that alerts"
+    )
+    stream_error_window: str = _opt("5m", "rate window for mid-stream failures")
+    stream_error_for: str = _opt("10m", "how long mid-stream failures must last")
 
     def validate(self) -> None:
         for f in fields(self):
@@ -266,6 +271,23 @@ def _gateway_alerts(c: AlertConfig) -> list[Alert]:
             "Deep probes fail on replica {{ $labels.replica }}",
             "The replica answers /health but cannot generate one token. The fleet "
             "should restart it; repeated failures point at the GPU or the model.",
+        ),
+        Alert(
+            "SeawallStreamsCutMidway",
+            # Against requests answered 200: a stream is cut only after its headers went
+            # out, so a refused request can never be one.
+            f"sum by ({PER_REPLICA}) (rate({m.STREAM_ERRORS}[{c.stream_error_window}]))"
+            f'\n/ sum by ({PER_REPLICA}) (rate({m.REQUESTS}{{status="200"}}'
+            f"[{c.stream_error_window}]))"
+            f" > {c.stream_error_ratio}",
+            c.stream_error_for,
+            "ticket",
+            "crash",
+            "Gateway {{ $labels.instance }} relays streams that break off mid-way",
+            "Clients received part of an answer and then an error event: a replica died, "
+            "hung or reset the connection after the first token, past the point where a "
+            "retry is possible. Check the replicas' restarts and deep probes; enable "
+            "migration (tiers.<tier>.migrate) to continue such streams elsewhere.",
         ),
         Alert(
             "SeawallNodeCordoned",

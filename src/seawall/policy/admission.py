@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from seawall.fleet.view import EngineLoad
+from seawall.policy.load import EngineLoad
 
 METRICS_STALE = "metrics stale"
 

@@ -18,13 +18,22 @@ caller sees the original error) instead of piling on.
 
 An idle or freshly started gateway has no successes to draw on, so a small reserve
 refills at `min_per_s` regardless of traffic (capacity `min_per_s * reserve_window_s`):
-a quiet gateway can still retry a transient failure. Earned tokens are capped at
-`max_balance` so that a long healthy stretch cannot bank a huge allowance that would
-all be spent at once when trouble starts.
+a quiet gateway can still retry a transient failure.
+
+Earned tokens age. As in Finagle's and tower's budgets, a deposit expires `ttl_s` after
+the success that earned it (deposits are kept in `_SLOTS` time slots of `ttl_s / _SLOTS`
+each, so a deposit lives between `ttl_s - ttl_s / _SLOTS` and `ttl_s`), and the earned
+balance is capped at `max_balance`. Without ageing, a long healthy stretch banks the
+whole cap, and when trouble starts that bank is spent at once on a fleet that is already
+failing: the budget's point is to follow the *recent* success rate. Withdrawals take the
+oldest earned tokens first (they would expire first).
 
 The bound, over any run from construction to `now` (property-tested):
 
     withdrawals <= ratio * deposits + min_per_s * reserve_window_s + min_per_s * elapsed_s
+
+and, because deposits age, withdrawals within any `ttl_s` window are bounded by the
+deposits of that window and the one before it (plus the reserve).
 
 Floating-point note: ten deposits of 0.1 sum to 0.9999999999999999, not 1.0, so a
 withdrawal is granted when the level is within `_EPSILON` of one token. Each withdrawal
@@ -36,10 +45,14 @@ gateway owns one instance on its event loop.
 
 from __future__ import annotations
 
+import math
+from collections import deque
+
 from seawall.policy.token_bucket import TokenBucket
 
 _EPSILON = 1e-9
 _WITHDRAWAL = 1.0
+_SLOTS = 10
 
 
 class RetryBudget:
@@ -50,39 +63,71 @@ class RetryBudget:
         reserve_window_s: float = 10.0,
         max_balance: float = 100.0,
         now: float = 0.0,
+        ttl_s: float = 10.0,
     ) -> None:
         if ratio < 0 or min_per_s < 0 or reserve_window_s < 0 or max_balance < 0:
             raise ValueError("retry budget parameters must be >= 0")
+        if not ttl_s > 0:
+            raise ValueError("ttl_s must be > 0")
         self.ratio = ratio
         self.max_balance = max_balance
-        self._earned = 0.0
+        self.ttl_s = ttl_s
+        self._slot_s = ttl_s / _SLOTS
+        # (slot index, earned tokens left from deposits in that slot), oldest first.
+        self._earned: deque[list[float]] = deque()
         self._reserve = TokenBucket.full(
             capacity=min_per_s * reserve_window_s, refill_per_s=min_per_s, now=now
         )
 
+    def _expire(self, now: float) -> None:
+        # Slot k holds deposits made in [k * slot_s, (k + 1) * slot_s); it expires at
+        # k * slot_s + ttl_s.
+        earned = self._earned
+        while earned and earned[0][0] * self._slot_s + self.ttl_s <= now:
+            earned.popleft()
+
+    def _earned_total(self) -> float:
+        return sum(tokens for _, tokens in self._earned)
+
     def deposit(self, now: float) -> None:
         """Record one successful request."""
-        del now  # earned tokens do not age; `now` keeps the call shape uniform
-        self._earned = min(self.max_balance, self._earned + self.ratio)
+        self._expire(now)
+        amount = min(self.ratio, self.max_balance - self._earned_total())
+        if amount <= 0:
+            return
+        slot = float(math.floor(now / self._slot_s))
+        earned = self._earned
+        if earned and earned[-1][0] >= slot:
+            earned[-1][1] += amount  # same slot (or a clock that stepped back)
+        else:
+            earned.append([slot, amount])
 
     def try_withdraw(self, now: float) -> bool:
         """Spend one token for a retry or hedge; False means the budget is exhausted.
 
-        Earned tokens are spent first so that the time-based reserve stays available for
-        the quiet periods it exists for; a shortfall is topped up from the reserve.
+        Earned tokens are spent first (oldest first) so that the time-based reserve stays
+        available for the quiet periods it exists for; a shortfall is topped up from the
+        reserve.
         """
+        self._expire(now)
         reserve_level = self._reserve.level(now)
-        if self._earned + reserve_level < _WITHDRAWAL - _EPSILON:
+        if self._earned_total() + reserve_level < _WITHDRAWAL - _EPSILON:
             return False
-        from_earned = min(self._earned, _WITHDRAWAL)
-        from_reserve = _WITHDRAWAL - from_earned
-        self._earned -= from_earned
-        if from_reserve > 0:
+        need = _WITHDRAWAL
+        earned = self._earned
+        while earned and need > 0:
+            take = min(earned[0][1], need)
+            earned[0][1] -= take
+            need -= take
+            if earned[0][1] <= 0:
+                earned.popleft()
+        if need > 0:
             # Already checked to be (almost) available; charge so an epsilon shortfall
             # does not turn into a refusal.
-            self._reserve.charge(from_reserve, now)
+            self._reserve.charge(need, now)
         return True
 
     def level(self, now: float) -> float:
         """Tokens available now (earned + reserve), for the retry-budget gauge."""
-        return self._earned + max(0.0, self._reserve.level(now))
+        self._expire(now)
+        return self._earned_total() + max(0.0, self._reserve.level(now))

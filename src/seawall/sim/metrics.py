@@ -5,10 +5,25 @@ collectors, as a real single-server scrape has them) and the families in it, wit
 label child created at startup as vLLM does. The engine loop feeds it; `render()` gives
 the `/metrics` body.
 
+How vLLM 0.33.0 answers a scrape (measured with its own wiring, prometheus_client
+0.26.0 and prometheus-fastapi-instrumentator 8.1.0; docs/engines-reference.md §1.1):
+- `GET /metrics` is prometheus-fastapi-instrumentator's route, registered before
+  prometheus_client's ASGI app is mounted at `/metrics`, so it wins: the text format
+  whatever `Accept` says, names as declared (`vllm:...`), and the client's
+  `CONTENT_TYPE_LATEST`. `render()` and `TEXT_CONTENT_TYPE` give that answer.
+- `GET /metrics/` (and any `/metrics/<path>`) reaches the mounted ASGI app, which
+  negotiates on `Accept` as every prometheus_client exporter does (`make_asgi_app`,
+  `start_http_server`). OpenMetrics without an `escaping=` parameter, which Prometheus
+  2.x asks for, rewrites sample names to `vllm_...` while `# TYPE` keeps `vllm:`;
+  `escaping=allow-utf-8` (Prometheus 3.x) keeps them. `render_negotiated()` gives that
+  answer, with the library's own negotiation and its gzip.
+
 Must not: decide anything. Values come from the scheduler and the engine loop.
 """
 
 from __future__ import annotations
+
+import gzip
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,11 +32,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# prometheus_client's CONTENT_TYPE_LATEST since 0.23; vLLM 0.33 installs 0.26.
+TEXT_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
 # vllm/v1/metrics/buckets.py
 REQUEST_LATENCY_BUCKETS = (
@@ -332,4 +349,17 @@ class SimMetrics:
             self.tpot_compat.observe(seconds)
 
     def render(self) -> bytes:
+        """vLLM's `GET /metrics`: the text format, Accept ignored (`TEXT_CONTENT_TYPE`)."""
         return generate_latest(self.registry)
+
+    def render_negotiated(
+        self, accept: str, accept_encoding: str = ""
+    ) -> tuple[bytes, dict[str, str]]:
+        """vLLM's `GET /metrics/`: prometheus_client's ASGI app. Body and headers."""
+        encoder, content_type = choose_encoder(accept)
+        body = encoder(self.registry)
+        headers = {"Content-Type": content_type}
+        if gzip_accepted(accept_encoding):
+            body = gzip.compress(body)
+            headers["Content-Encoding"] = "gzip"
+        return body, headers

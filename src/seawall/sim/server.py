@@ -34,7 +34,7 @@ from seawall.sim import openai as oa
 from seawall.sim import protocol as p
 from seawall.sim import textgen
 from seawall.sim.engine import Engine, Stream, wait_any
-from seawall.sim.metrics import CONTENT_TYPE, SimMetrics
+from seawall.sim.metrics import TEXT_CONTENT_TYPE, SimMetrics
 from seawall.sim.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -148,6 +148,7 @@ class SimServer:
         r.add_get("/load", self.load)
         r.add_get("/v1/models", self.models)
         r.add_get("/metrics", self.metrics_route)
+        r.add_get("/metrics/{path:.*}", self.metrics_negotiated_route)
         r.add_get("/dcgm/metrics", self.dcgm_metrics)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
@@ -222,9 +223,17 @@ class SimServer:
         )
 
     async def metrics_route(self, request: web.Request) -> web.Response:
+        """As vLLM 0.33's `/metrics`: text whatever Accept says (see sim/metrics.py)."""
         response = web.Response(body=self.metrics.render())
-        response.headers["Content-Type"] = CONTENT_TYPE
+        response.headers["Content-Type"] = TEXT_CONTENT_TYPE
         return response
+
+    async def metrics_negotiated_route(self, request: web.Request) -> web.Response:
+        """As vLLM 0.33's `/metrics/`: prometheus_client's own content negotiation."""
+        body, headers = self.metrics.render_negotiated(
+            request.headers.get("Accept", ""), request.headers.get("Accept-Encoding", "")
+        )
+        return web.Response(body=body, headers=headers)
 
     async def dcgm_metrics(self, request: web.Request) -> web.Response:
         """dcgm-exporter's shape: one series per GPU, labelled like the real exporter."""
@@ -1096,8 +1105,10 @@ class SimServer:
         await runner.setup()
         site = web.TCPSite(runner, c.host, c.port, reuse_address=True, backlog=4096)
         await site.start()
+        server: Any = site._server  # the port bound (the one asked for, or any with 0)
+        port = int(server.sockets[0].getsockname()[1])
         print(
-            f"seawall sim: serving {c.model} on http://{c.host}:{c.port} "
+            f"seawall sim: serving {c.model} on http://{c.host}:{port} "
             f"(kv_blocks={c.kv_blocks}, block_size={c.block_size}, "
             f"max_model_len={c.max_model_len})",
             flush=True,

@@ -6,7 +6,13 @@ kills its replicas every 20 minutes would be forgiven at every rollout.
 
 Times are wall-clock (`at_wall`, unix seconds): the ledger outlives the process, so
 monotonic time would mean nothing after a restart. The record type is the policy's
-(`seawall.policy.ledger.RestartRecord`), re-exported here.
+(`seawall.policy.ledger.RestartRecord`), re-exported here. Rows are of two kinds: real
+restarts, which `restarts()` returns and the cordon rule counts, and failures that
+restarted nothing (actuator `none`), which `failures()` returns for people to see. The
+last uncordon of each domain is kept too: restarts before it no longer count.
+
+Schema versions: 1 had no `kind` column (every row was counted as a restart) and no
+`uncordons` table; opening a version-1 file adds both, keeping its rows as restarts.
 
 Must not decide anything: whether a node should be cordoned is `seawall.policy`'s call.
 Calls run in a worker thread (`asyncio.to_thread`) so a slow disk never stalls the event
@@ -27,25 +33,30 @@ import orjson
 
 from seawall import clock
 from seawall.actuate.base import Evidence
-from seawall.policy.ledger import RestartRecord
+from seawall.policy.ledger import RecordKind, RestartRecord
 
 T = TypeVar("T")
 
-__all__ = ["CordonRecord", "RestartLedger", "RestartRecord"]
+__all__ = ["CordonRecord", "RecordKind", "RestartLedger", "RestartRecord"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS restarts (
     at_wall REAL NOT NULL,
     node TEXT NOT NULL,
     replica_id TEXT NOT NULL,
-    reason TEXT NOT NULL
+    reason TEXT NOT NULL,
+    kind TEXT NOT NULL DEFAULT 'restart'
 );
 CREATE INDEX IF NOT EXISTS restarts_node_time ON restarts (node, at_wall);
 CREATE TABLE IF NOT EXISTS cordons (
     node TEXT PRIMARY KEY,
     since_wall REAL NOT NULL,
     evidence TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS uncordons (
+    node TEXT PRIMARY KEY,
+    at_wall REAL NOT NULL
 );
 """
 
@@ -69,7 +80,12 @@ class RestartLedger:
         with self._lock:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
             self._db.executescript(_SCHEMA)
+            if version == 1:  # `CREATE TABLE IF NOT EXISTS` kept the old `restarts`
+                self._db.execute(
+                    "ALTER TABLE restarts ADD COLUMN kind TEXT NOT NULL DEFAULT 'restart'"
+                )
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -82,21 +98,38 @@ class RestartLedger:
     async def record(self, rec: RestartRecord) -> None:
         await self._run(
             lambda db: db.execute(
-                "INSERT INTO restarts (at_wall, node, replica_id, reason) VALUES (?, ?, ?, ?)",
-                (rec.at_wall, rec.node, rec.replica_id, rec.reason),
+                "INSERT INTO restarts (at_wall, node, replica_id, reason, kind) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (rec.at_wall, rec.node, rec.replica_id, rec.reason, rec.kind.value),
             )
         )
 
     async def restarts(self, node: str, since_wall: float) -> list[RestartRecord]:
-        """Restarts on `node` at or after `since_wall`, oldest first."""
+        """Real restarts in domain `node` at or after `since_wall`, oldest first."""
+        return await self._rows(node, since_wall, RecordKind.restart)
+
+    async def failures(self, node: str, since_wall: float) -> list[RestartRecord]:
+        """Failures in domain `node` that restarted nothing, at or after `since_wall`."""
+        return await self._rows(node, since_wall, RecordKind.failure)
+
+    async def _rows(self, node: str, since_wall: float, kind: RecordKind) -> list[RestartRecord]:
         rows: list[tuple[float, str, str, str]] = await self._run(
             lambda db: db.execute(
                 "SELECT at_wall, node, replica_id, reason FROM restarts "
-                "WHERE node = ? AND at_wall >= ? ORDER BY at_wall",
-                (node, since_wall),
+                "WHERE node = ? AND at_wall >= ? AND kind = ? ORDER BY at_wall",
+                (node, since_wall, kind.value),
             ).fetchall()
         )
-        return [RestartRecord(node=n, replica_id=r, reason=why, at_wall=t) for t, n, r, why in rows]
+        return [RestartRecord(n, r, why, t, kind) for t, n, r, why in rows]
+
+    async def uncordoned_at(self, node: str) -> float | None:
+        """When an operator last uncordoned `node` (unix seconds), or None."""
+        row: tuple[float] | None = await self._run(
+            lambda db: db.execute(
+                "SELECT at_wall FROM uncordons WHERE node = ?", (node,)
+            ).fetchone()
+        )
+        return row[0] if row is not None else None
 
     async def cordoned_nodes(self) -> dict[str, CordonRecord]:
         rows: list[tuple[str, float, str]] = await self._run(
@@ -107,11 +140,28 @@ class RestartLedger:
     async def set_cordoned(
         self, node: str, cordoned: bool, evidence: Evidence | None = None
     ) -> None:
+        now = clock.wall()
         if not cordoned:
-            await self._run(lambda db: db.execute("DELETE FROM cordons WHERE node = ?", (node,)))
+
+            def uncordon(db: sqlite3.Connection) -> None:
+                # One transaction (the connection is in autocommit mode otherwise): a
+                # crash between the two statements must not lose the uncordon time.
+                db.execute("BEGIN")
+                try:
+                    db.execute("DELETE FROM cordons WHERE node = ?", (node,))
+                    db.execute(
+                        "INSERT INTO uncordons (node, at_wall) VALUES (?, ?) "
+                        "ON CONFLICT(node) DO UPDATE SET at_wall = excluded.at_wall",
+                        (node, now),
+                    )
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+
+            await self._run(uncordon)
             return
         raw = orjson.dumps(evidence or Evidence(node=node, reasons=("manual",))).decode()
-        now = clock.wall()
         await self._run(
             lambda db: db.execute(
                 "INSERT INTO cordons (node, since_wall, evidence) VALUES (?, ?, ?) "

@@ -165,22 +165,6 @@ def denied_error(denied: Denied) -> ApiError:
     return rate_limited(denied.message, denied.retry_after_s, code="rate_limit_exceeded")
 
 
-def open_limits_backend(
-    redis_url: str | None,
-    *,
-    fail_mode: Literal["open", "closed"] = "open",
-    key_prefix: str = "seawall:limits:",
-    lease_ttl_s: float = 660.0,
-) -> LimitsBackend:
-    """The configured backend: shared through Redis when a URL is given, else in-memory.
-    Constructing either does no I/O (Redis connects on the first request)."""
-    if redis_url is None:
-        return MemoryLimits(lease_ttl_s=lease_ttl_s)
-    from seawall.state.limits_redis import RedisLimits  # only deployments with Redis
-
-    return RedisLimits(redis_url, fail_mode, key_prefix, lease_ttl_s=lease_ttl_s)
-
-
 class RecentDurations:
     """The last few request durations of one tenant, for the concurrency Retry-After."""
 

@@ -37,11 +37,14 @@ class FleetConfig(_Strict):
     model: Annotated[str, Field(min_length=1)] = "sim-model"
     # argv template with {port} {model} {replica} {index}; None = `seawall sim` (this Python)
     command: list[str] | None = None
-    # a replica is `starting` (never restarted) until /health answers 200 or this expires
+    # the fleet monitor's startup allowance: a replica is `starting` (never restarted)
+    # until its liveness probe passes or this expires
     startup_allowance_s: PositiveSeconds = 600.0
-    node: Annotated[str, Field(min_length=1)] = "local"
+    # the failure domain all replicas share (K restarts within the window cordon it);
+    # null: each replica is its own, so one replica's crashes never stop another
+    node: Annotated[str, Field(min_length=1)] | None = None
     env: dict[str, str] = Field(default_factory=dict)  # added to each replica's environment
-    health_path: str = "/health"
+    health_path: str = "/health"  # what the fleet monitor's liveness probe asks for
     stop_grace_s: PositiveSeconds = 10.0  # SIGTERM -> SIGKILL on shutdown
 
     @field_validator("command")

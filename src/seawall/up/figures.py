@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from seawall.gateway.metrics import REQUESTS, RETRIES, TTFT
 from seawall.loadgen import RequestResult, percentile
+from seawall.metrics import REQUESTS, RETRIES, TTFT
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,17 @@ Must not: draw anything (that is `view.py`) or generate traffic (`seawall.loadge
 Two ways to run the gateway, one interface (`GatewayRunner`):
 - `InProcessGateway` (default): the gateway in this process, with the `LocalSupervisor`
   as its fleet monitor's actuator, so the monitor's decisions (restart a hung replica,
-  cordon this machine after K restarts) act on the processes `up` started, and process
-  exits reach the monitor at once instead of at its next probe.
+  cordon a failure domain after K restarts) act on the processes `up` started, and
+  process exits reach the monitor at once instead of at its next probe.
 - `GatewayProcess`: `seawall serve --config FILE` as its own supervised child (restarted
   if it dies); the monitor there can only route around (`fleet.actuator: none`).
+
+One judge of readiness. The supervisor only reports process facts; a fleet monitor
+decides when a replica serves, and its startup allowance is the one rule for a replica
+that never comes up (`MonitorFeed` wires the two together). With the gateway in-process
+that is the gateway's monitor; otherwise (`gateway: null`, or the gateway as a process,
+whose monitor cannot act on our processes) `up` runs a fleet monitor of its own over the
+replicas, acting through the supervisor.
 """
 
 from __future__ import annotations
@@ -35,10 +42,63 @@ from seawall.actuate.local import (
     ReplicaStatus,
     free_loopback_port,
 )
+from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
+from seawall.fleet.view import FleetSnapshot
 from seawall.up.config import UpConfig, gateway_config, python_argv
 from seawall.up.figures import GatewayFigures, parse_gateway_metrics
 
 HOST = "127.0.0.1"
+GATEWAY_STARTUP_S = 60.0  # `seawall serve` that is not healthy by then is restarted
+# States in which the fleet monitor has found a replica serving.
+_SERVING = frozenset({"ready", "degraded"})
+
+
+class MonitorFeed:
+    """Process facts from the supervisor to a fleet monitor, verdicts back.
+
+    `starting` tells the monitor a process started (its startup allowance runs from
+    then) or, for a replica it does not watch yet (a rollout's new one), to watch it:
+    the monitor judges it before the gateway routes to it. `exited` is a process exit.
+    `stopped` of a replica the gateway does not route (`routed`) ends the watch. And
+    each snapshot that shows a replica ready or degraded marks it serving in the
+    supervisor, which is what `running` and `wait_running` mean there.
+    """
+
+    def __init__(
+        self,
+        monitor: FleetMonitor,
+        supervisor: LocalSupervisor,
+        routed: Callable[[str], bool] = lambda replica_id: True,
+    ) -> None:
+        self.monitor = monitor
+        self.supervisor = supervisor
+        self.routed = routed
+
+    def attach(self) -> None:
+        self.supervisor.subscribe(self.on_event)
+        self.monitor.subscribe(self.on_snapshot)
+
+    def on_event(self, event: ReplicaEvent) -> None:
+        s = event.status
+        if event.kind == "starting":
+            if self.monitor.watches(s.replica_id):
+                self.monitor.notify_process_started(s.replica_id)
+            else:
+                self.monitor.add_replica(ReplicaSpec(s.replica_id, s.url, s.model, s.node))
+        elif event.kind == "exited":
+            # The supervisor sees an exit the moment it happens; the monitor would only
+            # notice at its next failed probe.
+            self.monitor.notify_process_exited(
+                s.replica_id, event.reason, failure=event.exit_code != 0
+            )
+        elif event.kind == "stopped" and not self.routed(s.replica_id):
+            self.monitor.remove_replica(s.replica_id)
+
+    def on_snapshot(self, snap: FleetSnapshot) -> None:
+        for rid, view in snap.replicas.items():
+            if view.state in _SERVING:
+                self.supervisor.mark_serving(rid)
 
 
 def gateway_available() -> bool:
@@ -88,11 +148,33 @@ class GatewayProcess:
         self.supervisor = LocalSupervisor(
             log_dir=log_dir,
             command=python_argv("serve", "--config", escaped, "--no-access-log"),
-            health_path="/healthz",
-            startup_allowance_s=60.0,
             stop_grace_s=grace_s,
         )
+        # No fleet monitor watches gateways: this runner judges its own child, by
+        # /healthz, each time the supervisor starts it.
+        self.supervisor.subscribe(self._on_event)
+        self._watch: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    def _on_event(self, event: ReplicaEvent) -> None:
+        if event.kind == "starting":
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = asyncio.get_running_loop().create_task(self._await_healthy())
+
+    async def _await_healthy(self) -> None:
+        deadline = clock.monotonic() + GATEWAY_STARTUP_S
+        while clock.monotonic() < deadline:
+            try:
+                async with self._http().get(self.url + "/healthz") as resp:
+                    if resp.status == 200:
+                        self.supervisor.mark_serving("gateway")
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.25)
+        ref = self.supervisor.refs()[0]
+        await self.supervisor.restart(ref, f"not healthy within {GATEWAY_STARTUP_S:g}s")
 
     async def start(self, replicas: list[dict[str, str]]) -> None:
         merged = gateway_config(self.base_config, replicas, HOST, self.port)
@@ -136,6 +218,8 @@ class GatewayProcess:
         return {}  # the monitor is in the other process
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.supervisor.close()
         if self._session is not None:
             await self._session.close()
@@ -152,6 +236,7 @@ class InProcessGateway:
         log_dir: Path,
         port: int | None,
         startup_allowance_s: float,
+        health_path: str = "/health",
     ) -> None:
         self.base_config = base_config
         self.supervisor = supervisor
@@ -160,6 +245,7 @@ class InProcessGateway:
         self.port = port or int(listen.get("port") or 0) or free_loopback_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
         self.startup_allowance_s = startup_allowance_s
+        self.health_path = health_path
         self.gateway: Any = None  # seawall.gateway.app.Gateway, imported when started
         self.started_at = 0.0
         self._session: aiohttp.ClientSession | None = None
@@ -170,24 +256,19 @@ class InProcessGateway:
 
         merged = gateway_config(self.base_config, replicas, HOST, self.port)
         fleet = _fleet_section(merged, self.log_dir, actuator="local")
-        # One startup allowance: the monitor must not ask for a restart the supervisor
-        # would refuse, nor the reverse.
         fleet.setdefault("startup_allowance_s", self.startup_allowance_s)
+        fleet.setdefault("liveness_path", self.health_path)
         merged["fleet"] = fleet
         config = parse_config(merged, "seawall up: gateway")
         actuator = self.supervisor if fleet.get("actuator") == "local" else None
-        self.gateway = Gateway(config, access_log=False, actuator=actuator)
-        self.supervisor.subscribe(self._on_replica_event)
-        await self.gateway.start()
+        gateway = self.gateway = Gateway(config, access_log=False, actuator=actuator)
+        MonitorFeed(
+            gateway.monitor,
+            self.supervisor,
+            routed=lambda rid: gateway.replicas.get(rid) is not None,
+        ).attach()
+        await gateway.start()
         self.started_at = clock.monotonic()
-
-    def _on_replica_event(self, event: ReplicaEvent) -> None:
-        # The supervisor sees an exit the moment it happens; the monitor would only
-        # notice at its next failed probe.
-        if event.kind == "exited" and self.gateway is not None:
-            self.gateway.monitor.notify_process_exited(
-                event.status.replica_id, event.reason, failure=event.exit_code != 0
-            )
 
     def status(self) -> ReplicaStatus | None:
         if self.gateway is None:
@@ -238,12 +319,23 @@ class InProcessGateway:
         gateway closes its actuator too: the supervisor, i.e. the replicas."""
         try:
             if self.gateway is not None:
-                await self.gateway.drain()
-                await self.gateway.close()
+                await self.gateway.shutdown()
         finally:
             if self._session is not None:
                 await self._session.close()
                 self._session = None
+
+
+def _own_monitor(config: UpConfig, supervisor: LocalSupervisor, log_dir: Path) -> FleetMonitor:
+    """The fleet monitor `up` runs itself when no in-process gateway's monitor judges the
+    replicas: the gateway config's `fleet:` section (when there is one) with the
+    supervisor as actuator and a ledger of its own."""
+    fleet = dict((config.gateway or {}).get("fleet") or {})
+    fleet.pop("discovery", None)
+    fleet.update(actuator="local", ledger_path=str(log_dir / "up-ledger.sqlite"))
+    fleet.setdefault("startup_allowance_s", config.fleet.startup_allowance_s)
+    fleet.setdefault("liveness_path", config.fleet.health_path)
+    return FleetMonitor(FleetMonitorConfig.model_validate(fleet), actuator=supervisor)
 
 
 def _fleet_section(merged: dict[str, Any], log_dir: Path, actuator: str) -> dict[str, Any]:
@@ -257,7 +349,7 @@ def _fleet_section(merged: dict[str, Any], log_dir: Path, actuator: str) -> dict
 
 async def _readyz(http: aiohttp.ClientSession, url: str) -> bool:
     try:
-        async with http.get(url + "/readyz") as resp:
+        async with http.get(url + "/readyz?fleet=1") as resp:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
@@ -275,11 +367,10 @@ class LocalFleet:
             command=f.command,
             node=f.node,
             env=f.env,
-            startup_allowance_s=f.startup_allowance_s,
-            health_path=f.health_path,
             stop_grace_s=f.stop_grace_s,
         )
         self.gateway: GatewayRunner | None = None
+        self.monitor: FleetMonitor | None = None  # `up`'s own, when no gateway's judges
         self.gateway_note = ""
         if config.gateway is None:
             self.gateway_note = "(no gateway: gateway is null in the config)"
@@ -289,17 +380,35 @@ class LocalFleet:
             self.gateway = GatewayProcess(config.gateway, log_dir, gateway_port)
         else:
             self.gateway = InProcessGateway(
-                config.gateway, self.supervisor, log_dir, gateway_port, f.startup_allowance_s
+                config.gateway,
+                self.supervisor,
+                log_dir,
+                gateway_port,
+                f.startup_allowance_s,
+                f.health_path,
             )
+        if not isinstance(self.gateway, InProcessGateway):
+            self.monitor = _own_monitor(config, self.supervisor, log_dir)
+            MonitorFeed(self.monitor, self.supervisor).attach()
 
     async def start(self) -> None:
         """Start the replicas, then the gateway pointed at them; returns without waiting
         for either to be ready (see `wait_ready`)."""
         f = self.config.fleet
+        if self.monitor is not None:
+            await self.monitor.start()
         refs = await self.supervisor.start(f.model, f.replicas)
         if self.gateway is not None:
             await self.gateway.start(
-                [{"url": r.url, "model": r.model, "node": r.node, "id": r.replica_id} for r in refs]
+                [
+                    {
+                        "url": r.url,
+                        "model": r.model,
+                        "id": r.replica_id,
+                        **({"node": r.node} if r.node else {}),
+                    }
+                    for r in refs
+                ]
             )
 
     def target_urls(self) -> list[str]:
@@ -310,6 +419,15 @@ class LocalFleet:
 
     def replicas(self) -> list[ReplicaStatus]:
         return self.supervisor.replicas()
+
+    def routing(self) -> dict[str, str]:
+        """Replica id -> the judging fleet monitor's state for it."""
+        if self.monitor is None:
+            return self.gateway.routing() if self.gateway is not None else {}
+        return {
+            rid: v.state if v.routable else f"{v.state} (not routed)"
+            for rid, v in self.monitor.snapshot().replicas.items()
+        }
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
         """Process events from the replicas and the gateway process."""
@@ -333,9 +451,14 @@ class LocalFleet:
         return [*self.supervisor.all_pids(), *gateway_pids]
 
     async def close(self) -> None:
-        """Gateway first (it drains what is in flight), then the replicas."""
+        """Gateway first (it drains what is in flight), then our monitor (so that it
+        does not act on the replicas stopping), then the replicas."""
         try:
             if self.gateway is not None:
                 await self.gateway.close()
         finally:
-            await self.supervisor.close()
+            try:
+                if self.monitor is not None:
+                    await self.monitor.stop()
+            finally:
+                await self.supervisor.close()

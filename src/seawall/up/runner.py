@@ -142,7 +142,7 @@ class Session:
             traffic_target=", ".join(self.traffic.targets) if self.traffic is not None else "",
             events=tuple(self.events),
             title=self.title,
-            routing=gw.routing() if gw is not None else {},
+            routing=self.fleet.routing(),
         )
 
     async def _tick(self) -> None:

@@ -10,6 +10,8 @@ holds the families for one registry.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -19,8 +21,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.samples import Sample
 
-from seawall.gateway.fastmetrics import FastHistogram
+from seawall.fastmetrics import FastHistogram
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
@@ -59,12 +62,82 @@ MIGRATIONS = "seawall_migrations_total"
 STREAM_ERRORS = "seawall_stream_errors_total"
 DRAINING = "seawall_draining"
 
+# Label values the gateway and the fleet monitor write, known before any event happens.
+# `Metrics.seed` creates these series at zero: a labelled series that is born at its
+# first event shows "No data" instead of 0 on a dashboard, and `increase()` cannot see
+# that first event (a series that starts at 1 has no earlier sample to rise from).
+# upstream.py's `AttemptFailed` outcomes, plus those proxy.py records itself.
+RETRYABLE_OUTCOMES = (
+    "connect_error",
+    "reset",
+    "http_5xx",
+    "http_429",
+    "redirect",
+    "ttft_timeout",
+    "error_event",
+    "aborted",
+)
+ATTEMPT_OUTCOMES = (
+    "ok",
+    *RETRYABLE_OUTCOMES,
+    "http_4xx",
+    "total_timeout",
+    "cancelled",
+    "hedge_lost",
+)
+RETRY_REASONS = RETRYABLE_OUTCOMES  # a retry is labelled with the outcome it retries
+HEDGE_OUTCOMES = ("launched", "won", "lost")
+TIMEOUT_KINDS = ("ttft", "itl", "total")
+CANCEL_STAGES = ("queued", "before_first_token", "streaming", "non_streaming")
+SHED_REASONS = (
+    "tier_limit",
+    "requests_per_min",
+    "prompt_tokens_per_min",
+    "max_concurrent",
+    "backend_unavailable",
+    "fleet_saturated",
+    "queue_timeout",
+)
+MIGRATION_OUTCOMES = ("ok", "failed", "refused")
+STREAM_ERROR_REASONS = (
+    "upstream_aborted",
+    "upstream_closed",
+    "upstream_reset",
+    "itl_timeout",
+    "total_timeout",
+    "gateway_draining",
+)
+ROUTES = ("completions", "chat")
+# The status every route answers first; other statuses appear with their first answer.
+SEEDED_STATUS = "200"
+# A request without an API key (no tenants configured) is counted as this tenant and tier.
+ANONYMOUS_TENANT = "default"
+DEFAULT_TIER = "default"
+
+
+def restart_reasons() -> tuple[str, ...]:
+    """The `reason` label of `seawall_replica_restarts_total`: every health transition
+    that restarts a replica (policy/health.py), as the fleet monitor labels it."""
+    from seawall.policy.health import TRANSITIONS, Action
+
+    return tuple(
+        sorted(
+            {
+                t.reason.split(":", 1)[0][:60]
+                for t in TRANSITIONS.values()
+                if Action.restart in t.actions
+            }
+        )
+    )
+
 
 class Metrics:
     """All families, registered in one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None, process: bool = True) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._seeded_replicas: set[str] = set()
+        self._restart_reasons = restart_reasons()
         if process:
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
@@ -229,3 +302,78 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+    def seed(
+        self,
+        *,
+        replicas: Iterable[tuple[str, str]] = (),
+        models: Iterable[str] = (),
+        tenants: Mapping[str, str] | None = None,
+    ) -> None:
+        """Create every series the gateway can name in advance, at zero, and forget the
+        per-replica series of replicas seeded before and gone now.
+
+        `replicas`: (replica id, node) pairs; `tenants`: tenant -> tier (None or empty:
+        the anonymous tenant of an open gateway). Idempotent and cheap: the gateway calls
+        it at start and on every scrape, so replicas added or removed since, and models
+        discovered since, are covered. Existing values are never changed.
+        """
+        replica_nodes = dict(replicas)
+        for replica_id, node in replica_nodes.items():
+            self.upstream_connections.labels(replica_id)
+            self.deep_probe_failures.labels(replica_id)
+            for outcome in ATTEMPT_OUTCOMES:
+                self.upstream_attempts.labels(replica_id, outcome)
+            self.node_cordoned.labels(node)
+            self.hardware_tickets.labels(node)
+            for reason in self._restart_reasons:
+                self.restarts.labels(node, reason)
+        for replica_id in self._seeded_replicas - set(replica_nodes):
+            self._forget_replica(replica_id)
+        self._seeded_replicas = set(replica_nodes)
+        for model in models:
+            for route in ROUTES:
+                self.requests.labels(model, route, SEEDED_STATUS)
+            self.queue_depth.labels(model)
+            self.ttft.labels(model)
+            self.e2e.labels(model)
+        for tenant, tier in (tenants or {ANONYMOUS_TENANT: DEFAULT_TIER}).items():
+            for reason in SHED_REASONS:
+                self.shed.labels(tenant, tier, reason)
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for outcome in HEDGE_OUTCOMES:
+            self.hedges.labels(outcome)
+        for kind in TIMEOUT_KINDS:
+            self.timeouts.labels(kind)
+        for stage in CANCEL_STAGES:
+            self.cancellations.labels(stage)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
+        for reason in STREAM_ERROR_REASONS:
+            self.stream_errors.labels(reason)
+
+    def _forget_replica(self, replica_id: str) -> None:
+        """Drop a departed replica's series (pod IPs churn; kept forever they would grow
+        the scrape without bound). Its in-flight gauge is the gateway's to remove."""
+        for family in (self.upstream_connections, self.deep_probe_failures):
+            family.remove(replica_id)
+        for outcome in _label_values(self.upstream_attempts, "replica", replica_id, "outcome"):
+            self.upstream_attempts.remove(replica_id, outcome)
+
+    def record_shed(self, tenant: str, tier: str, reason: str, latency_s: float) -> None:
+        """A request refused at the door, and how long refusing it took."""
+        self.shed.labels(tenant, tier, reason).inc()
+        self.shed_latency.observe(latency_s)
+
+
+def _samples(family: Counter | Gauge) -> list[Sample]:
+    return [s for metric in family.collect() for s in metric.samples]
+
+
+def _label_values(family: Counter | Gauge, key: str, value: str, other: str) -> set[str]:
+    return {
+        s.labels[other]
+        for s in _samples(family)
+        if s.labels.get(key) == value and other in s.labels and s.name.endswith("_total")
+    }

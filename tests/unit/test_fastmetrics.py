@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from seawall.gateway.fastmetrics import FastHistogram
+from seawall.fastmetrics import FastHistogram
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 

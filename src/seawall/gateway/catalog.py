@@ -1,0 +1,67 @@
+"""The models the fleet serves, learnt from the replicas' own `GET /v1/models`.
+
+A replica configured without a model gets the first one it serves; each model's card
+(vLLM's includes `max_model_len`) is kept so that `/v1/models` answers with the
+engines' own cards and admission can cap a request's KV reservation at the context
+length. Runs off the request path; the request path reads `cards` and `max_model_len`.
+
+Must not: route or refuse (it only learns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from seawall.gateway.replicas import ReplicaSet
+
+_PENDING_INTERVAL_S = 1.0  # a replica whose model is not known yet is asked again soon
+_KNOWN_INTERVAL_S = 5.0
+
+
+class ModelCatalog:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        on_new_card: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.cards: dict[str, dict[str, Any]] = {}
+        self._on_new_card = on_new_card
+
+    def max_model_len(self, model: str) -> int | None:
+        cap = (self.cards.get(model) or {}).get("max_model_len")
+        return cap if isinstance(cap, int) and cap > 0 else None
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Learn each replica's served model (and its card), for as long as it runs."""
+        while True:
+            pending = [
+                r for r in self.replicas.all() if r.model is None or r.model not in self.cards
+            ]
+            for r in pending:
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    async with session.get(
+                        r.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                    ) as resp:
+                        if resp.status != 200:
+                            continue
+                        cards = (await resp.json()).get("data") or []
+                        if not cards:
+                            continue
+                        if r.model is None:
+                            r.model = str(cards[0]["id"])
+                        for card in cards:
+                            self._learn(str(card["id"]), card)
+            await asyncio.sleep(_PENDING_INTERVAL_S if pending else _KNOWN_INTERVAL_S)
+
+    def _learn(self, model: str, card: dict[str, Any]) -> None:
+        if model in self.cards:
+            return
+        self.cards[model] = card
+        if self._on_new_card is not None:
+            self._on_new_card(model, card)

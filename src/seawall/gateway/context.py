@@ -1,0 +1,81 @@
+"""Per-request state: `RequestCtx` (who, what, how far, how it ended) and `StreamState`
+(what the relay tracks of one stream across migrations).
+
+Plain data, written by the layers in the order `stack.py` gives and read by the access
+log and the metrics at the end. Must not hold behaviour beyond derived properties.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from seawall.config import DEFAULT_TIER, Timeouts
+from seawall.protocol.openai import ParsedRequest, Route
+
+if TYPE_CHECKING:
+    from seawall.gateway.inflight import Ticket
+    from seawall.gateway.upstream import Opened
+    from seawall.state.limits import Lease
+
+
+@dataclass(slots=True)
+class StreamState:
+    """The relay's view of one stream. Migration keeps it: the continuation is presented
+    as the same stream (first id and created, one role chunk, one combined usage)."""
+
+    strip_usage: bool = False  # include_usage was added upstream by us, not asked for
+    track_text: bool = False  # keep the delivered text (migration needs it)
+    migrate: bool = False  # the tier opted into mid-stream migration
+    text: str = ""  # delivered so far (when tracked)
+    completion_tokens: int = 0  # delivered so far (when tracked)
+    migrations: int = 0
+    tokens_before_migration: int = 0  # delivered when the latest continuation began
+    aborted: bool = False  # the engine ended the stream with finish_reason "abort"
+    stream_id: str | None = None  # the first upstream's id and created
+    created: int | None = None
+    opened: Opened | None = None  # the upstream being relayed now
+
+
+@dataclass(slots=True)
+class RequestCtx:
+    request_id: str
+    route: Route
+    started: float  # monotonic
+    timeouts: Timeouts
+    req: ParsedRequest | None = None
+    tenant: str = "default"
+    tier: str = DEFAULT_TIER
+    priority: int = 0  # the tier's: 0 is served first under contention
+    status: int = 0
+    replica: str = ""
+    attempts: int = 0
+    ttft_s: float | None = None
+    queued_s: float = 0.0  # time spent in the admission queue
+    error: str = ""
+    stage: str = "parsing"  # for cancellations: where the client left
+    ticket: Ticket | None = None
+    lease: Lease | None = None  # the tenant's rate/concurrency claim, released at the end
+    reconcile: bool = False  # settle the prompt-token charge with the engine's usage
+    usage: dict[str, Any] | None = None  # the engine's usage, when read
+    prompt_tokens: int = 0  # counted at the door (0 when no limit needed the count)
+    reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
+    stream: StreamState = field(default_factory=StreamState)
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeouts.total_s
+
+    @property
+    def model(self) -> str:
+        return self.req.model if self.req else ""
+
+
+def new_request_id(incoming: str | None) -> str:
+    """The client's X-Request-Id when it is short, printable ASCII; otherwise a new one.
+    (Non-ASCII ids cannot be sent on as an HTTP header, and would be forwarded as raw
+    bytes that engines reject.)"""
+    if incoming and len(incoming) <= 128 and incoming.isascii() and incoming.isprintable():
+        return incoming
+    return os.urandom(12).hex()

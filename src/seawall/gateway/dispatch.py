@@ -1,0 +1,238 @@
+"""Before the first token: choose a replica, attempt, retry elsewhere, hedge.
+
+Per request: choose a replica (serving the model, routable, not saturated, not yet
+tried; power of two choices), claim it in the in-flight ledger, and attempt. A failure
+before the first token is retried on a replica not yet tried while the outcome's rule
+allows it (`outcomes.ATTEMPT_RULES`), the request's attempts and deadline last, and the
+fleet-wide retry budget pays for it: a retry after a refused connection is free (the
+engine did no work), every other one withdraws a token. A hedge (opt-in, short prompts
+on a quiet fleet) races a delayed second copy under the same budget; the first token
+wins and the loser is cancelled, which closes its connection so its engine aborts.
+
+Must not: touch the client's response (the proxy and the relay do), or know about
+tenants (admission ran before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from seawall import clock
+from seawall.config import RetryConfig
+from seawall.errors import ApiError
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.inflight import InFlight
+from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
+from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
+from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
+from seawall.metrics import Metrics
+from seawall.policy.deadline import first_token_wait
+from seawall.policy.hedge import HedgePolicy
+from seawall.policy.retry_budget import RetryBudget
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        replicas: ReplicaSet,
+        ledger: InFlight,
+        upstream: Upstream,
+        budget: RetryBudget,
+        retry: RetryConfig,
+        metrics: Metrics,
+        hedge: HedgePolicy | None = None,
+        fleet_load: Callable[[], float] = lambda: 1.0,
+        on_ttft: Callable[[float], None] | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.ledger = ledger
+        self.upstream = upstream
+        self.budget = budget
+        self.retry = retry
+        self.metrics = metrics
+        self.hedge = hedge  # None: hedging off
+        self.fleet_load = fleet_load
+        self.on_ttft = on_ttft  # every first token's TTFT (the admin history samples it)
+
+    # -- the request's first token ------------------------------------------------------
+
+    async def open(self, ctx: RequestCtx, body: bytes) -> Opened:
+        """An upstream that produced the first token (or whole body), or raise the
+        client's `ApiError`."""
+        tried: set[str] = set()
+        last: Failure | None = None
+        backoff: list[float] = []
+        while True:
+            now = clock.monotonic()
+            replica = self.choose(ctx, now, tried)
+            if replica is None:
+                raise self._exhausted(ctx, last, backoff, tried_any=False)
+            if last is not None:
+                spends = ATTEMPT_RULES[last.outcome].spends_budget
+                if spends and not self.budget.try_withdraw(now):
+                    self.metrics.retry_budget_exhausted.inc()
+                    raise self._exhausted(ctx, last, backoff, budget_exhausted=True)
+                self.metrics.retries.labels(last.outcome.value).inc()
+            tried.add(replica.id)
+            ctx.attempts += 1
+            try:
+                if not tried - {replica.id} and self._hedge_ok(ctx):
+                    return await self._hedged(ctx, replica, body, tried)
+                return await self.attempt(ctx, replica, body)
+            except AttemptFailed as f:
+                last = f.failure
+                if f.outcome is Attempt.http_429:
+                    backoff.append(last.retry_after_s or 1.0)
+                if (
+                    not ATTEMPT_RULES[f.outcome].retryable
+                    or ctx.attempts >= self.retry.max_attempts
+                    or clock.monotonic() >= ctx.deadline
+                ):
+                    raise self._exhausted(ctx, last, backoff) from None
+
+    def choose(self, ctx: RequestCtx, now: float, tried: set[str]) -> Replica | None:
+        free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
+        return self.replicas.choose(free or saturated)
+
+    async def attempt(
+        self, ctx: RequestCtx, replica: Replica, body: bytes, leg: _Leg | None = None
+    ) -> Opened:
+        """One attempt on `replica`, holding its in-flight claim until the returned
+        `Opened` is closed (or at once, on failure). `leg`: one copy of a hedge."""
+        req = ctx.req
+        assert req is not None
+        wait = first_token_wait(clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, req.stream)
+        hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
+        try:
+            opened = await self.upstream.open(
+                replica,
+                PATHS[req.route],
+                req,
+                body,
+                ctx.request_id,
+                max(wait.seconds, 0.001),
+                Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
+            )
+        except AttemptFailed as f:
+            hold.release()
+            self._attempt_failed(replica, f.failure)
+            raise
+        except BaseException:
+            hold.release()
+            outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
+            self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            raise
+        opened.hold = hold
+        self._attempt_ok(ctx, opened)
+        return opened
+
+    def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
+        replica = opened.replica
+        self.metrics.upstream_attempts.labels(replica.id, Attempt.ok.value).inc()
+        replica.observe_ttft(opened.first_token_at - opened.opened_at)
+
+    def _attempt_failed(self, replica: Replica, f: Failure) -> None:
+        now = clock.monotonic()
+        self.metrics.upstream_attempts.labels(replica.id, f.outcome.value).inc()
+        if f.outcome in (Attempt.ttft_timeout, Attempt.total_timeout):
+            self.metrics.timeouts.labels(f.outcome.value.removesuffix("_timeout")).inc()
+        if f.outcome is Attempt.connect_error:
+            # Out of routing at once: the next requests must not find it either.
+            replica.ejected_until = now + self.retry.eject_s
+        elif f.outcome is Attempt.http_429:
+            replica.backoff_until = now + (f.retry_after_s or 1.0)
+        if ATTEMPT_RULES[f.outcome].replica_fault:
+            replica.observe_outcome(False)
+
+    def first_token(self, ctx: RequestCtx, opened: Opened) -> None:
+        """The request's first token reached us (or its whole body): record its TTFT."""
+        ctx.replica = opened.replica.id
+        ctx.ttft_s = ttft = opened.first_token_at - ctx.started
+        self.metrics.ttft.labels(ctx.model).observe(ttft)
+        if self.on_ttft is not None:
+            self.on_ttft(ttft)
+
+    def _exhausted(
+        self,
+        ctx: RequestCtx,
+        last: Failure | None,
+        backoff: list[float],
+        *,
+        tried_any: bool = True,
+        budget_exhausted: bool = False,
+    ) -> ApiError:
+        if last is not None:
+            ctx.error = last.message
+        return client_error(
+            ctx.model,
+            ctx.attempts,
+            last,
+            backoff,
+            tried_any=tried_any,
+            budget_exhausted=budget_exhausted,
+            eject_s=self.retry.eject_s,
+        )
+
+    # -- hedging ------------------------------------------------------------------------
+
+    def _hedge_ok(self, ctx: RequestCtx) -> bool:
+        if self.hedge is None or ctx.req is None:
+            return False
+        # Bytes / 4 is a cheap upper-bound-ish estimate of prompt tokens; hedging only
+        # needs to tell short prompts from long ones.
+        return self.hedge.allows(len(ctx.req.raw) // 4, self.fleet_load())
+
+    async def _hedged(
+        self, ctx: RequestCtx, first: Replica, body: bytes, tried: set[str]
+    ) -> Opened:
+        """Race a delayed second copy against a slow first attempt; the first token wins."""
+        assert self.hedge is not None
+        legs = _Leg(), _Leg()
+        primary = asyncio.ensure_future(self.attempt(ctx, first, body, legs[0]))
+        done, _ = await asyncio.wait({primary}, timeout=self.hedge.delay_s)
+        if done:
+            return primary.result()
+        now = clock.monotonic()
+        second = self.choose(ctx, now, tried)
+        if second is None:
+            return await primary
+        if not self.budget.try_withdraw(now):
+            self.metrics.retry_budget_exhausted.inc()
+            return await primary
+        tried.add(second.id)
+        ctx.attempts += 1
+        self.metrics.hedges.labels("launched").inc()
+        secondary = asyncio.ensure_future(self.attempt(ctx, second, body, legs[1]))
+        pending = {primary, secondary}
+        failure: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        self.metrics.hedges.labels("won" if task is secondary else "lost").inc()
+                        for loser in pending:
+                            # Counted once, by the attempt itself, as `hedge_lost`.
+                            legs[1 if loser is secondary else 0].lost = True
+                            loser.cancel()
+                        return task.result()
+                    failure = task.exception()
+            assert failure is not None
+            raise failure
+        finally:
+            for task in (primary, secondary):
+                if not task.done():
+                    task.cancel()
+
+
+class _Leg:
+    """One copy of a hedged request; `lost` once the other copy's first token won."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        self.lost = False

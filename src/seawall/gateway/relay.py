@@ -1,0 +1,410 @@
+"""After the first token: relay the stream byte for byte, with the inter-token and total
+timeouts, and end it cleanly whatever happens.
+
+The head (the events up to the first token) is written through aiohttp, which also puts
+the response's headers on the wire. After it, each read from the replica is written to
+the client's transport from the upstream's socket callback (`_Feed.feed`), with no task
+switch per chunk; the relaying coroutine only waits for the end, a timeout, or a full
+client socket (then reading from the replica pauses until the client drains).
+
+There is no retry after the first token: the client holds part of the answer. A failure
+ends the stream with an error event and `data: [DONE]`, unless the tier opted into
+migration (`migrate.py`): then the rest of the answer comes from another replica on the
+same client stream, under the same retry budget. At the gateway's drain deadline a stream
+still running is ended the same clean way (`gateway_draining`).
+
+Event-level work (`_filter`) happens only when the request needs it (usage to strip or
+reconcile, text to track for migration); otherwise bytes pass as the engine wrote them.
+
+Must not: choose replicas (the dispatcher does, for continuations too) or refuse
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import HttpVersion11, web
+
+from seawall import clock
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.dispatch import Dispatcher
+from seawall.gateway.h1 import BrokenResponse
+from seawall.gateway.idle import IdleDeadline
+from seawall.gateway.migrate import combined_usage, continuation_body
+from seawall.gateway.outcomes import STREAM_RULES, StreamEnd, stream_error
+from seawall.gateway.replicas import Replica
+from seawall.gateway.upstream import AttemptFailed, Opened
+from seawall.metrics import Metrics
+from seawall.policy.retry_budget import RetryBudget
+from seawall.protocol.sse import (
+    ABORT_MARK,
+    DONE_EVENT,
+    Kind,
+    choice_text,
+    classify,
+    event_bytes,
+    usage_of,
+)
+
+# The raw relay keeps the stream's last bytes: enough to see `[DONE]` at its end, and an
+# abort mark that one socket read split from the next.
+_TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
+
+_CLIENT_LEFT = "client_left"
+
+
+class ClientLeft(ConnectionResetError):
+    """The client went away while its stream was being written."""
+
+
+class Relay:
+    def __init__(
+        self,
+        *,
+        dispatcher: Dispatcher,
+        budget: RetryBudget,
+        metrics: Metrics,
+        max_migrations: int,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.budget = budget
+        self.metrics = metrics
+        self.max_migrations = max_migrations
+
+    async def unary(self, ctx: RequestCtx, opened: Opened) -> web.Response:
+        """A non-streaming answer, relayed as the engine wrote it."""
+        try:
+            self.dispatcher.first_token(ctx, opened)
+            body = opened.body or b""
+            if ctx.reconcile:
+                try:
+                    obj = orjson.loads(body)
+                    ctx.usage = usage_of(obj) if isinstance(obj, dict) else None
+                except orjson.JSONDecodeError:
+                    pass
+            ctx.status = 200
+            self.budget.deposit(clock.monotonic())
+            opened.replica.observe_outcome(True)
+            return web.Response(
+                body=body,
+                status=200,
+                content_type="application/json",
+                headers={"X-Request-Id": ctx.request_id},
+            )
+        finally:
+            opened.close()
+
+    async def stream(
+        self, request: web.Request, ctx: RequestCtx, opened: Opened
+    ) -> web.StreamResponse:
+        self.dispatcher.first_token(ctx, opened)
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": opened.conn.headers.get(
+                    "content-type", "text/event-stream; charset=utf-8"
+                ),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": ctx.request_id,
+            },
+        )
+        ctx.stage = "streaming"
+        ctx.status = 200
+        st = ctx.stream
+        st.opened = opened
+        if opened.hold is not None:
+            opened.hold.stream()
+        try:
+            await resp.prepare(request)
+            await self._relay(request, ctx, resp)
+        except ConnectionResetError:
+            # The client went away between two writes (aiohttp raises on the write
+            # rather than cancelling the handler): the same as any client disconnect.
+            self.metrics.cancellations.labels("streaming").inc()
+            ctx.status, ctx.error = 499, "client left while streaming"
+        finally:
+            current = st.opened or opened
+            current.close()
+        return resp
+
+    async def _relay(self, request: web.Request, ctx: RequestCtx, resp: web.StreamResponse) -> None:
+        st = ctx.stream
+        opened = st.opened
+        assert opened is not None
+        end = await self._pump(request, ctx, opened, resp)
+        while end is not StreamEnd.done and self._may_migrate(ctx, end):
+            opened.replica.observe_outcome(False)
+            nxt = await self._continue_elsewhere(ctx, opened.replica)
+            if nxt is None:
+                break
+            opened.close()
+            opened = st.opened = nxt
+            if nxt.hold is not None:
+                nxt.hold.stream()
+            ctx.stage = "streaming"
+            ctx.replica = nxt.replica.id
+            end = await self._pump(request, ctx, opened, resp)
+        if end is StreamEnd.done and st.aborted:
+            # Relayed as the engine sent it (finish_reason "abort", then [DONE]), but the
+            # answer was cut short: a dropped stream all the same.
+            end = StreamEnd.upstream_aborted
+            opened.replica.observe_outcome(False)
+            self.metrics.stream_errors.labels(end.value).inc()
+            ctx.error = end.value
+        elif end is StreamEnd.done:
+            self.budget.deposit(clock.monotonic())
+            opened.replica.observe_outcome(True)
+        else:
+            if STREAM_RULES[end].replica_fault:
+                opened.replica.observe_outcome(False)
+            self.metrics.stream_errors.labels(end.value).inc()
+            ctx.error = end.value
+            await resp.write(stream_error(end).sse_event())
+        await resp.write_eof()
+
+    async def _pump(
+        self, request: web.Request, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse
+    ) -> StreamEnd:
+        """Relay until the stream ends; return how it ended."""
+        st = ctx.stream
+        parse_events = st.strip_usage or st.track_text or ctx.reconcile
+        tail = b""
+        if opened.head:
+            if parse_events:
+                out, end = self._filter(ctx, [e.raw for e in opened.head])
+            else:
+                # Raw relay: the head's events, then whatever partial event followed them.
+                out = b"".join(e.raw for e in opened.head) + opened.sse.pending
+                tail = out[-_TAIL:]
+                st.aborted = st.aborted or ABORT_MARK in out
+                done = any(e.kind is Kind.DONE for e in opened.head)
+                end = StreamEnd.done if done else None
+            if out:
+                await resp.write(out)
+            if end is not None:
+                return end
+        conn = opened.conn
+        timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, opened.first_token_at)
+        feed = _Feed(self, request, ctx, opened, parse_events, timer, tail)
+        conn.relay(feed.feed)
+        try:
+            while True:
+                await conn.wait_relay()
+                if feed.end == _CLIENT_LEFT:
+                    raise ClientLeft("client left while streaming")
+                if isinstance(feed.end, StreamEnd) and (conn.stopped or conn.complete):
+                    return feed.end
+                if conn.complete:
+                    return (
+                        StreamEnd.done
+                        if feed.tail.endswith(DONE_EVENT)
+                        else StreamEnd.upstream_closed
+                    )
+                if conn.paused:
+                    await resp.drain()
+                    conn.resume()
+        except asyncio.CancelledError:
+            kind = timer.expired()
+            if kind is not None:
+                self.metrics.timeouts.labels(kind).inc()
+                return StreamEnd(f"{kind}_timeout")
+            if _uncancel_cut(ctx):
+                return StreamEnd.gateway_draining
+            raise
+        except BrokenResponse as e:
+            ctx.error = str(e)
+            return StreamEnd.upstream_reset
+        finally:
+            conn.detach()
+            timer.close()
+
+    def _filter(self, ctx: RequestCtx, events: list[bytes]) -> tuple[bytes, StreamEnd | None]:
+        """Event-level relay: capture usage, strip the usage chunk we added, track the text
+        delivered (for migration), and after a migration present the continuation as the
+        same stream (original id and created, no second role chunk, one usage).
+        Returns the bytes to write and, when these events end the stream, how."""
+        st = ctx.stream
+        out: list[bytes] = []
+        migrated = st.migrations > 0
+        end: StreamEnd | None = None
+        for raw in events:
+            ev = classify(raw)
+            obj = ev.obj
+            if ev.kind is Kind.USAGE and obj is not None:
+                usage = usage_of(obj)
+                if migrated and usage is not None:
+                    usage = combined_usage(usage, st.tokens_before_migration)
+                ctx.usage = usage
+                if st.strip_usage:
+                    continue
+                if migrated:
+                    raw = event_bytes(
+                        {**obj, "id": st.stream_id, "created": st.created, "usage": usage}
+                    )
+            elif ev.kind is Kind.TOKEN and obj is not None:
+                if st.stream_id is None:
+                    st.stream_id, st.created = obj.get("id"), obj.get("created")
+                if st.track_text:
+                    text = "".join(choice_text(c) for c in obj["choices"])
+                    if text:
+                        st.text += text
+                        st.completion_tokens += 1
+                if migrated:
+                    raw = event_bytes({**obj, "id": st.stream_id, "created": st.created})
+            elif ev.kind is Kind.PRELUDE and obj is not None:
+                if migrated:
+                    continue  # the continuation's own role chunk: the client has one already
+                if st.stream_id is None:
+                    st.stream_id, st.created = obj.get("id"), obj.get("created")
+            elif ev.kind is Kind.ABORT:
+                if st.migrate:
+                    # Hold the abort back: another replica may finish the answer.
+                    end = StreamEnd.upstream_aborted
+                    break
+                st.aborted = True
+            elif ev.kind is Kind.DONE:
+                end = StreamEnd.done
+            out.append(raw)
+        return b"".join(out), end
+
+    def _may_migrate(self, ctx: RequestCtx, end: StreamEnd) -> bool:
+        st = ctx.stream
+        return st.migrate and STREAM_RULES[end].migratable and st.migrations < self.max_migrations
+
+    async def _continue_elsewhere(self, ctx: RequestCtx, failed: Replica) -> Opened | None:
+        """Open the continuation on another replica, within the retry budget."""
+        d = self.dispatcher
+        req = ctx.req
+        assert req is not None
+        st = ctx.stream
+        body = continuation_body(req, st.text, st.completion_tokens)
+        if body is None:
+            self.metrics.migrations.labels("refused").inc()
+            return None
+        if not self.budget.try_withdraw(clock.monotonic()):
+            self.metrics.retry_budget_exhausted.inc()
+            self.metrics.migrations.labels("refused").inc()
+            return None
+        tried = {failed.id}
+        while True:
+            replica = d.choose(ctx, clock.monotonic(), tried)
+            if replica is None or clock.monotonic() >= ctx.deadline:
+                self.metrics.migrations.labels("failed").inc()
+                return None
+            tried.add(replica.id)
+            try:
+                opened = await d.attempt(ctx, replica, body)
+            except AttemptFailed:
+                if len(tried) > d.retry.max_attempts:
+                    self.metrics.migrations.labels("failed").inc()
+                    return None
+                continue
+            st.migrations += 1
+            ctx.attempts += 1
+            st.tokens_before_migration = st.completion_tokens
+            if not req.include_usage:
+                st.strip_usage = True  # the continuation asked for usage; the client did not
+            self.metrics.migrations.labels("ok").inc()
+            return opened
+
+
+def _uncancel_cut(ctx: RequestCtx) -> bool:
+    """True (and the cancellation undone) when it came from the gateway's own drain cut."""
+    ticket = ctx.ticket
+    if ticket is None or ticket.cut_reason is None:
+        return False
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return True
+
+
+class _Feed:
+    """One upstream's body on its way to the client, from the upstream's socket callback.
+
+    `feed` runs once per read from the replica: it records the inter-token gap (metrics,
+    the replica's ITL average, the idle timer), then writes the bytes to the client's
+    transport, framed as one HTTP chunk."""
+
+    __slots__ = (
+        "_client",
+        "_filter",
+        "_framed",
+        "_itl",
+        "_relay",
+        "_sse",
+        "conn",
+        "ctx",
+        "end",
+        "replica",
+        "tail",
+        "timer",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        relay: Relay,
+        request: web.Request,
+        ctx: RequestCtx,
+        opened: Opened,
+        parse: bool,
+        timer: IdleDeadline,
+        tail: bytes,
+    ) -> None:
+        transport = request.transport
+        if transport is None:
+            raise ClientLeft("client left while streaming")
+        self.transport = transport
+        self._client = request.protocol
+        self._framed = request.version >= HttpVersion11  # aiohttp chunks 1.1 responses
+        self._relay = relay
+        self._filter = parse
+        self._sse = opened.sse
+        self._itl = relay.metrics.itl.labels(ctx.model)
+        self.conn = opened.conn
+        self.ctx = ctx
+        self.replica = opened.replica
+        self.timer = timer  # its `last` is when the latest chunk arrived
+        self.tail = tail  # the stream's last bytes (see _TAIL)
+        self.end: StreamEnd | str | None = None  # known from the events, or client_left
+
+    def feed(self, data: bytes) -> bool:
+        if self.end is not None:
+            return True
+        now = clock.monotonic()
+        timer = self.timer
+        gap = now - timer.last
+        timer.last = now
+        self._itl.observe(gap)
+        replica = self.replica
+        replica.observe_itl(gap)
+        replica.chunks_relayed += 1
+        end: StreamEnd | None = None
+        if self._filter:
+            out, end = self._relay._filter(self.ctx, self._sse.feed(data))
+            if out:
+                self.tail = out[-_TAIL:]
+        else:
+            out = data
+            joined = self.tail + data
+            if ABORT_MARK in joined:
+                self.ctx.stream.aborted = True
+            self.tail = joined[-_TAIL:]
+        if out:
+            transport = self.transport
+            if transport.is_closing():
+                self.end = _CLIENT_LEFT
+                return False
+            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
+            if self._client.writing_paused:
+                self.conn.pause()
+        if end is not None:
+            self.end = end
+            if end is StreamEnd.done:
+                # Keep the connection for reuse when the response's end came in this read.
+                return self.conn.complete
+            return False
+        return True

@@ -1,0 +1,86 @@
+"""A TCP relay on loopback that cuts what a server sends into small pieces.
+
+Real networks deliver a server's writes in whatever segments they like: an SSE event can
+arrive split across two socket reads at any byte. An engine on loopback almost never
+shows that, so tests that need it put this relay between the gateway and a real `seawall
+sim`: every chunk the server sends reaches the client as `piece` bytes per write, with a
+short pause between writes so that each piece is its own read on the other side. It is
+a network condition, not a stand-in for the engine: the bytes are the engine's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+
+
+class ChoppingRelay:
+    def __init__(self, target_port: int, piece: int = 8, pause_s: float = 0.0005) -> None:
+        self.target_port = target_port
+        self.piece = piece
+        self.pause_s = pause_s
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ChoppingRelay:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        self.port = fut.result(timeout=5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    async def _start(self) -> int:
+        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def _client(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        try:
+            s_reader, s_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            c_writer.close()
+            return
+        for w in (c_writer, s_writer):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        up = asyncio.ensure_future(self._pipe(c_reader, s_writer, chop=False))
+        down = asyncio.ensure_future(self._pipe(s_reader, c_writer, chop=True))
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (up, down):
+            t.cancel()
+        for w in (c_writer, s_writer):
+            w.close()
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if not chop:
+                    writer.write(data)
+                    await writer.drain()
+                    continue
+                for i in range(0, len(data), self.piece):
+                    writer.write(data[i : i + self.piece])
+                    await writer.drain()
+                    await asyncio.sleep(self.pause_s)
