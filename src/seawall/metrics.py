@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.samples import Sample
 
 from seawall.fastmetrics import FastHistogram
+from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, StreamEnd
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
 # reach down to the milliseconds the hop costs and up to the engine's worst case.
@@ -67,25 +68,9 @@ DRAINING = "seawall_draining"
 # first event shows "No data" instead of 0 on a dashboard, and `increase()` cannot see
 # that first event (a series that starts at 1 has no earlier sample to rise from).
 # upstream.py's `AttemptFailed` outcomes, plus those proxy.py records itself.
-RETRYABLE_OUTCOMES = (
-    "connect_error",
-    "reset",
-    "http_5xx",
-    "http_429",
-    "redirect",
-    "ttft_timeout",
-    "error_event",
-    "aborted",
-)
-ATTEMPT_OUTCOMES = (
-    "ok",
-    *RETRYABLE_OUTCOMES,
-    "http_4xx",
-    "total_timeout",
-    "cancelled",
-    "hedge_lost",
-)
-RETRY_REASONS = RETRYABLE_OUTCOMES  # a retry is labelled with the outcome it retries
+# The outcome and reason label values are the outcome enums' own (gateway/outcomes.py).
+ATTEMPT_OUTCOMES = tuple(a.value for a in Attempt)
+RETRY_REASONS = tuple(a.value for a, rule in ATTEMPT_RULES.items() if rule.retryable)
 HEDGE_OUTCOMES = ("launched", "won", "lost")
 TIMEOUT_KINDS = ("ttft", "itl", "total")
 CANCEL_STAGES = ("queued", "before_first_token", "streaming", "non_streaming")
@@ -99,14 +84,7 @@ SHED_REASONS = (
     "queue_timeout",
 )
 MIGRATION_OUTCOMES = ("ok", "failed", "refused")
-STREAM_ERROR_REASONS = (
-    "upstream_aborted",
-    "upstream_closed",
-    "upstream_reset",
-    "itl_timeout",
-    "total_timeout",
-    "gateway_draining",
-)
+STREAM_ERROR_REASONS = tuple(e.value for e in StreamEnd if e is not StreamEnd.done)
 ROUTES = ("completions", "chat")
 # The status every route answers first; other statuses appear with their first answer.
 SEEDED_STATUS = "200"

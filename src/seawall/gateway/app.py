@@ -51,6 +51,7 @@ from seawall.gateway.tenancy import Tenancy, warn_if_open
 from seawall.gateway.upstream import H1Upstream
 from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
+from seawall.policy.ledger import failure_domain
 from seawall.policy.retry_budget import RetryBudget
 from seawall.state.backends import open_limits_backend
 
@@ -390,7 +391,7 @@ class Gateway:
     def _seed_metrics(self) -> None:
         """Series the gateway can name in advance exist at zero (see `Metrics.seed`)."""
         self.metrics.seed(
-            replicas=[(r.id, r.node) for r in self.replicas.all()],
+            replicas=[(r.id, failure_domain(r.node, r.id)) for r in self.replicas.all()],
             models=self.replicas.models(),
             tenants={name: t.tier for name, t in self.config.tenants.items()},
         )
