@@ -1,7 +1,9 @@
 """The emulator's HTTP shell: vLLM 0.33's OpenAI-compatible routes, bodies and errors.
 
-Owns: the aiohttp application, request validation with vLLM's error texts, response and
-SSE chunk shapes (pre-built byte templates, so a token costs a dict lookup and a join),
+Owns: the aiohttp application, the order in which a request is read, validated
+(`protocol`) and checked (`openai`) as vLLM's serving layer does, the response bodies and
+SSE streams of `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/tokenize` and
+`/detokenize` (keys as vLLM dumps them; tests/data/vllm/ holds vLLM's own answers),
 client-disconnect aborts, `/sim/*` fault and state routes, `/dcgm/metrics`, and the
 process lifecycle (late bind for load time, SIGTERM abort or drain, crash, watchdog exit).
 
@@ -359,7 +361,6 @@ class SimServer:
 
     def _new_gen(
         self,
-        request: web.Request,
         prompts: list[oa.Prompt],
         *,
         sampling: oa.Sampling,
@@ -482,7 +483,6 @@ class SimServer:
             shown = "" if text is None or req.return_token_ids else text
             prompts.append(oa.Prompt(ids, shown, 1 if echo_only else max_tokens))
         gen = self._new_gen(
-            request,
             prompts,
             sampling=self._sampling(req, req.n),
             stream=req.stream,
@@ -530,7 +530,6 @@ class SimServer:
         max_tokens = oa.engine_max_tokens(limit, requested, len(ids))
         top = req.top_logprobs if req.logprobs else None
         gen = self._new_gen(
-            request,
             [oa.Prompt(ids, text, max_tokens)],
             sampling=self._sampling(req, 1 if req.n is None else req.n),
             stream=req.stream,
@@ -576,7 +575,6 @@ class SimServer:
         ids = oa.tokenize_checked(text, limit)
         max_tokens = oa.engine_max_tokens(limit, req.max_output_tokens, len(ids))
         gen = self._new_gen(
-            request,
             [oa.Prompt(ids, text, max_tokens)],
             sampling=oa.Sampling(temperature=req.temperature, top_p=req.top_p),
             stream=req.stream,
