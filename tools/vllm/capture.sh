@@ -35,6 +35,7 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0  # the CPU wheel on disk; never a CUDA build
 fi
 CONSTRAINTS="$VENV/vllm-constraints.txt"
+"$PY" -m pip install -q packaging  # to read vLLM's requirements below
 "$PY" - >"$CONSTRAINTS" <<'PYEOF'
 from importlib.metadata import requires
 from packaging.requirements import Requirement
