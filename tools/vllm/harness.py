@@ -321,6 +321,7 @@ async def serve(app: Any, port: int) -> Any:
                             access_log=False, lifespan="off")  # fmt: skip
     server = uvicorn.Server(config)
     asyncio.get_running_loop().create_task(server.serve())
-    while not server.started:
+    # uvicorn says it is listening only through this flag (it has no event to wait on)
+    while not server.started:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
     return server
