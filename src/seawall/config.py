@@ -88,6 +88,10 @@ class RetryConfig(_Strict):
     budget_max_balance: Annotated[float, Field(ge=0)] = 100.0  # cap on earned tokens
     eject_s: PositiveSeconds = 2.0  # a replica refusing connections is skipped this long
     max_migrations: Annotated[int, Field(ge=0, le=5)] = 2  # mid-stream, for tiers that opt in
+    # A continuation that gives no token within this is abandoned (the stream then ends
+    # cleanly): a replica with room prefills it within a few seconds, one that would
+    # queue it (every slot busy) would stall the client's stream for the whole ttft_s.
+    migration_ttft_s: PositiveSeconds = 4.0
 
 
 class HedgeConfig(_Strict):

@@ -142,7 +142,6 @@ def predicted_n(chunk: Any) -> int | None:
     return int(timings["predicted_n"]) if timings else None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 bug 3: fixed by proxy work")
 def test_a_migrated_llamacpp_stream_counts_tokens_not_chunks(fleet: Fleet) -> None:
     """Bug 13.3: the gateway counted delivered chunks as tokens. llama.cpp holds back a
     token that ends inside a UTF-8 character, so chunks are fewer than tokens (800 tokens
@@ -186,7 +185,6 @@ def test_a_migrated_llamacpp_stream_counts_tokens_not_chunks(fleet: Fleet) -> No
     assert usage.prompt_tokens == reference.usage.prompt_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 bug 4: fixed by proxy work")
 def test_migration_onto_a_full_llamacpp_replica_fails_fast(fleet: Fleet) -> None:
     """Bug 13.4: the only other replica had every slot busy; llama.cpp queued the
     continuation, and the client's stream stalled for the whole TTFT timeout before an

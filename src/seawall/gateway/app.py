@@ -160,6 +160,7 @@ class Gateway:
             budget=self.budget,
             metrics=m,
             max_migrations=config.retry.max_migrations,
+            migration_ttft_s=config.retry.migration_ttft_s,
         )
         stack = admission_stack(
             draining=lambda: self.draining,

@@ -30,13 +30,20 @@ class StreamState:
     track_text: bool = False  # keep the delivered text (migration needs it)
     migrate: bool = False  # the tier opted into mid-stream migration
     text: str = ""  # delivered so far (when tracked)
-    completion_tokens: int = 0  # delivered so far (when tracked)
     migrations: int = 0
     tokens_before_migration: int = 0  # delivered when the latest continuation began
+    upstream_tokens: int = 0  # delivered from the current upstream (tokens, not chunks)
+    prompt_tokens: int | None = None  # the prompt's count as the first replica reported it
+    strip: frozenset[str] = frozenset()  # chunk keys we asked the upstream for, not the client
     aborted: bool = False  # the engine ended the stream with finish_reason "abort"
     stream_id: str | None = None  # the first upstream's id and created
     created: int | None = None
     opened: Opened | None = None  # the upstream being relayed now
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens delivered so far (when tracked), across migrations."""
+        return self.tokens_before_migration + self.upstream_tokens
 
 
 @dataclass(slots=True)
