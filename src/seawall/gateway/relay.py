@@ -276,12 +276,14 @@ class Relay:
                 elif relayed is not obj:
                     raw = event_bytes(relayed)
             elif ev.kind is Kind.PRELUDE and obj is not None:
+                if st.track_text:
+                    # A chunk without text still counts: a role chunk may carry the prompt's
+                    # count, and llama.cpp sends a held-back token as an empty chunk.
+                    self._count(st, obj)
                 if migrated:
                     continue  # the continuation's own role chunk: the client has one already
                 if st.stream_id is None:
                     st.stream_id, st.created = obj.get("id"), obj.get("created")
-                if st.track_text and st.prompt_tokens is None:
-                    self._count(st, obj)  # a role chunk may carry the prompt's count
                 stripped = _without(obj, st.strip)
                 if stripped is not obj:
                     raw = event_bytes(stripped)
