@@ -28,6 +28,7 @@ from seawall.policy.limits import TierLimits
 DEFAULT_TIER = "default"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
+EngineKind = Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"]
 
 
 class _Strict(BaseModel):
@@ -42,8 +43,12 @@ class ReplicaConfig(_Strict):
     # domain, so one replica's failures never take another out of service.
     node: str | None = None
     id: str | None = None  # stable name in metrics and logs; default "r<index>"
-    engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
+    engine: EngineKind = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
+    # The public name clients ask for (LiteLLM's `model_name`), when it is not the served
+    # `model`: routing, limits, metrics and logs use it, and the request sent to this
+    # replica carries `model` (see gateway/aliases.py). None: clients use `model`.
+    model_name: Annotated[str, Field(min_length=1)] | None = None
 
     @field_validator("url")
     @classmethod
@@ -51,6 +56,55 @@ class ReplicaConfig(_Strict):
         if not v.startswith(("http://", "https://")) or not URL(v).host:
             raise ValueError("must be an http:// or https:// URL with a host")
         return v.rstrip("/")
+
+
+# `model_list`: LiteLLM's shape for the same thing as `replicas`, so a LiteLLM proxy config's
+# deployments can be pasted in. Each entry is one replica; the entries that share a
+# `model_name` are the pool behind that public name. How it maps:
+#   model_name               -> ReplicaConfig.model_name (the public name)
+#   litellm_params.model     -> ReplicaConfig.model (served; a `hosted_vllm/` or `openai/`
+#                               provider prefix is dropped, as LiteLLM drops it upstream)
+#   litellm_params.api_base  -> ReplicaConfig.url (a trailing `/v1` is dropped)
+#   litellm_params.api_key   -> ReplicaConfig.api_key (`os.environ/NAME` works here too)
+#   model_info.id            -> ReplicaConfig.id
+# LiteLLM's other per-deployment settings (rpm, tpm, timeout, ...) are not taken: they are
+# errors naming the allowed fields, and Seawall's tiers and timeouts do those jobs.
+_PROVIDER_PREFIXES: dict[str, EngineKind] = {"hosted_vllm/": "vllm", "openai/": "auto"}
+
+
+class LiteLLMParams(_Strict):
+    model: Annotated[str, Field(min_length=1)]
+    api_base: str
+    api_key: str | None = None
+
+
+class ModelInfo(_Strict):
+    id: str | None = None
+    node: str | None = None  # Seawall's own: the replica's failure domain (see ReplicaConfig)
+
+
+class ModelListEntry(_Strict):
+    model_name: Annotated[str, Field(min_length=1)]
+    litellm_params: LiteLLMParams
+    model_info: ModelInfo = ModelInfo()
+
+    def replica(self) -> ReplicaConfig:
+        served: str = self.litellm_params.model
+        engine: EngineKind = "auto"
+        for prefix, kind in _PROVIDER_PREFIXES.items():
+            if served.startswith(prefix):
+                served, engine = served[len(prefix) :], kind
+                break
+        url = self.litellm_params.api_base.rstrip("/").removesuffix("/v1")
+        return ReplicaConfig(
+            url=url,
+            model=served,
+            model_name=None if served == self.model_name else self.model_name,
+            id=self.model_info.id,
+            node=self.model_info.node,
+            engine=engine,
+            api_key=self.litellm_params.api_key,
+        )
 
 
 class Timeouts(_Strict):
@@ -206,6 +260,9 @@ class AdmissionConfig(_Strict):
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    # LiteLLM's shape (see ModelListEntry): merged into `replicas`, after those listed
+    # there, when the file is validated; never written back out (`exclude`).
+    model_list: list[ModelListEntry] = Field(default_factory=list, exclude=True)
     timeouts: Timeouts = Timeouts()
     routes: dict[Literal["completions", "chat"], TimeoutOverrides] = Field(default_factory=dict)
     retry: RetryConfig = RetryConfig()
@@ -242,6 +299,16 @@ class GatewayConfig(_Strict):
                     f"tenants.{name}.tier: unknown tier {t.tier!r}; "
                     f"defined tiers: {sorted(self.tiers)}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _merge_model_list(self) -> GatewayConfig:
+        if self.model_list:
+            merged = [*self.replicas, *(entry.replica() for entry in self.model_list)]
+            object.__setattr__(self, "replicas", merged)
+            object.__setattr__(self, "model_list", [])
+            # A dump of the set fields (`seawall serve` merges its flags that way) keeps them.
+            self.__pydantic_fields_set__.add("replicas")
         return self
 
     @model_validator(mode="after")

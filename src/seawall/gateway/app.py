@@ -103,7 +103,9 @@ class Gateway:
         )
         self.replicas.snapshot = self.monitor.snapshot
         for i, rc in enumerate(config.replicas):
-            self.add_replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+            self.add_replica(
+                rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name
+            )
 
         # Budgets and the upstream.
         r = config.retry
@@ -207,8 +209,8 @@ class Gateway:
 
     def _slot_released(self, replica_id: str) -> None:
         replica = self.replicas.get(replica_id)
-        if replica is not None and replica.model is not None:
-            self.fleet_admission.queue.wake(replica.model)
+        if replica is not None and replica.public is not None:
+            self.fleet_admission.queue.wake(replica.public)  # queued by the name asked for
 
     def _observe_ttft(self, ttft_s: float) -> None:
         if self.admin is not None:
@@ -239,9 +241,10 @@ class Gateway:
         node: str | None = None,
         api_key: str | None = None,
         engine: str = "auto",
+        model_name: str | None = None,
     ) -> Replica:
         """A replica joins routing and the fleet monitor (config, rollouts, discovery)."""
-        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
+        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine, model_name)
         self.replicas.add(replica)
         counts = replica.counts
         self.metrics.inflight.labels(replica_id).set_function(lambda: counts.requests)
@@ -346,8 +349,8 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         data = []
-        for model in self.replicas.models():
-            card = self.catalog.cards.get(model) or {
+        for model in self.replicas.models():  # the public names
+            card = self.catalog.card(model) or {
                 "id": model,
                 "object": "model",
                 "created": int(clock.wall()),

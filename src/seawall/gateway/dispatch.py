@@ -21,6 +21,7 @@ from collections.abc import Callable
 from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError
+from seawall.gateway import aliases
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
@@ -106,6 +107,11 @@ class Dispatcher:
         req = ctx.req
         assert req is not None
         wait = first_token_wait(clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, req.stream)
+        # A replica reached under an alias gets its own served name (and answers under
+        # the public one); None: the names agree, nothing to rewrite.
+        served = replica.model if replica.model != ctx.model else None
+        if served is not None:
+            body = aliases.upstream_body(body, served)
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
         try:
             opened = await self.upstream.open(
@@ -127,6 +133,8 @@ class Dispatcher:
             self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
             raise
         opened.hold = hold
+        if served is not None:
+            aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
         return opened
 

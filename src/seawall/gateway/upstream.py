@@ -66,10 +66,15 @@ def _failed(
 class UpstreamStream(Protocol):
     """An upstream response being read: what the relay needs of it (see `H1Connection`)."""
 
-    headers: dict[str, str]
-    complete: bool  # the response ended
-    stopped: bool  # the sink ended the relay
-    paused: bool  # reading paused until the client's socket drains
+    # Read-only here: the connection sets them (an alias's restamping wrapper delegates).
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def complete(self) -> bool: ...  # the response ended
+    @property
+    def stopped(self) -> bool: ...  # the sink ended the relay
+    @property
+    def paused(self) -> bool: ...  # reading paused until the client's socket drains
 
     def relay(self, sink: Sink) -> None: ...
     async def wait_relay(self) -> None: ...
