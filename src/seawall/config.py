@@ -257,6 +257,37 @@ class AdmissionConfig(_Strict):
         return self.enabled and self.kv_reserve_max is not None
 
 
+class TelemetryConfig(_Strict):
+    """OpenTelemetry traces, exported over OTLP/HTTP. Off by default, and then nothing of
+    OpenTelemetry is imported or run; W3C trace context (`traceparent`, `tracestate`) is
+    forwarded to the replicas either way. Needs the `otel` extra (pip install
+    'seawall[otel]'). See gateway/telemetry.py for the spans and their attributes."""
+
+    enabled: bool = False
+    # The collector's OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces.
+    # None: the OpenTelemetry exporter's own default, i.e. OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    # else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else http://localhost:4318/v1/traces.
+    endpoint: str | None = None
+    # Sent with every export (a collector's API key: write it as os.environ/NAME). Never logged.
+    headers: dict[str, str] = Field(default_factory=dict)
+    service_name: Annotated[str, Field(min_length=1)] = "seawall-gateway"
+    # Traces that start at the gateway are kept at this ratio; a client's own sampling
+    # decision (the traceparent's sampled flag) is always followed.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    export_interval_s: PositiveSeconds = 2.0  # spans are batched and sent this often
+    export_timeout_s: PositiveSeconds = 10.0  # one export; a dead collector costs no more
+
+
+class LoggingConfig(_Strict):
+    """The gateway's log on stderr. `json`: one object per line, every record (access
+    records carry their fields as keys; see seawall/logs.py). `seawall serve
+    --log-format` and `--log-level` win over these."""
+
+    format: Literal["text", "json"] = "text"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = True  # one record per request (`--no-access-log` turns it off)
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
@@ -277,6 +308,8 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
     fleet: FleetMonitorConfig = FleetMonitorConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    logging: LoggingConfig = LoggingConfig()
     seed: int | None = None  # for the balancer's random choices; None = from the OS
 
     @model_validator(mode="after")

@@ -112,6 +112,14 @@ class Dispatcher:
         served = replica.model if replica.model != ctx.model else None
         if served is not None:
             body = aliases.upstream_body(body, served)
+        # With tracing on, the attempt's own span is the replica's parent; otherwise the
+        # client's trace context goes on as it came (telemetry.py).
+        span = (
+            ctx.span.attempt(replica, served or ctx.model, ctx.stage == "streaming")
+            if ctx.span is not None
+            else None
+        )
+        trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
         try:
             opened = await self.upstream.open(
@@ -122,20 +130,29 @@ class Dispatcher:
                 ctx.request_id,
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
+                trace,
             )
         except AttemptFailed as f:
             hold.release()
             self._attempt_failed(replica, f.failure)
+            if span is not None:
+                span.end(f.outcome.value, failed=ATTEMPT_RULES[f.outcome].replica_fault)
             raise
         except BaseException:
             hold.release()
             outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
             self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            if span is not None:
+                span.end(outcome.value, failed=False)
             raise
         opened.hold = hold
         if served is not None:
             aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
+        if span is not None:
+            span.end(
+                Attempt.ok.value, failed=False, ttft_s=opened.first_token_at - opened.opened_at
+            )
         return opened
 
     def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
@@ -163,6 +180,8 @@ class Dispatcher:
         self.metrics.ttft.labels(ctx.model).observe(ttft)
         if self.on_ttft is not None:
             self.on_ttft(ttft)
+        if ctx.span is not None:
+            ctx.span.first_token(ttft, opened.replica.id, opened.body is None)
 
     def _exhausted(
         self,

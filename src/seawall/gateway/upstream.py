@@ -18,6 +18,7 @@ It must not decide retries, pick replicas or touch the client: the dispatcher do
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -117,9 +118,11 @@ class Upstream(Protocol):
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         """Send the request and wait for its first token (streaming) or whole body;
-        raise `AttemptFailed` otherwise. Cancellation closes the connection."""
+        raise `AttemptFailed` otherwise. Cancellation closes the connection. `trace`:
+        the W3C trace context headers for the replica (see telemetry.py)."""
         ...
 
     def close(self) -> None: ...
@@ -134,10 +137,14 @@ def parse_retry_after(value: str | None) -> float | None:
         return None  # an HTTP-date; engines do not send those
 
 
-def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
+def upstream_headers(
+    replica: Replica, request_id: str, trace: Mapping[str, str] | None = None
+) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if replica.api_key:
         headers["Authorization"] = f"Bearer {replica.api_key}"
+    if trace:
+        headers.update(trace)  # traceparent, tracestate: checked or made by telemetry.py
     return headers
 
 
@@ -156,9 +163,10 @@ class H1Upstream:
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         return await open_attempt(
-            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome
+            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome, trace
         )
 
     def close(self) -> None:
@@ -174,6 +182,7 @@ async def open_attempt(
     request_id: str,
     timeout_s: float,
     timeout_outcome: Attempt,
+    trace: Mapping[str, str] | None = None,
 ) -> Opened:
     """Send the request and wait for its first token (streaming) or whole body.
 
@@ -185,7 +194,7 @@ async def open_attempt(
     try:
         async with asyncio.timeout(timeout_s):
             conn = await pool.request(
-                replica.endpoint, path, upstream_headers(replica, request_id), body
+                replica.endpoint, path, upstream_headers(replica, request_id, trace), body
             )
             if conn.status != 200:
                 raise await _http_failure(conn)
