@@ -11,6 +11,8 @@ received without the engine logging them."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -146,3 +148,32 @@ def test_without_telemetry_the_trace_context_goes_on_unchanged(artifacts: Path) 
             r = http.post("/v1/completions", json=body, headers={"traceparent": bad})
             assert r.status_code == 200 and relay.sent
             assert "traceparent" not in relay.sent.decode().lower()
+
+
+def test_tracing_off_never_imports_opentelemetry() -> None:
+    """With telemetry off (the default), a gateway that has started and answered a
+    request carrying a traceparent has no OpenTelemetry module loaded: no span work
+    can have happened. (A subprocess: this one has the test collector's imports.)"""
+    code = f"""
+import asyncio, sys, aiohttp
+from seawall.config import parse_config
+from seawall.gateway.app import Gateway
+
+async def main():
+    replicas = [{{"url": "http://127.0.0.1:9", "model": "m"}}]
+    config = {{"replicas": replicas, "listen": {{"port": 0}}}}
+    gw = Gateway(parse_config(config), access_log=False)
+    port = await gw.start()
+    async with aiohttp.ClientSession() as s:
+        url = f"http://127.0.0.1:{{port}}/v1/completions"
+        body = {{"model": "m", "prompt": "x", "max_tokens": 1}}
+        async with s.post(url, json=body, headers={{"traceparent": "{TRACEPARENT}"}}) as r:
+            await r.read()
+            status = r.status
+    await gw.close()
+    return status, gw.tracing, gw.proxy.tracing
+
+print(*asyncio.run(main()), sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "503 None None []", out.stdout + out.stderr

@@ -383,18 +383,24 @@ class Gateway:
         return Diff(tuple(sorted(added)), tuple(sorted(removed)), tuple(sorted(changed)))
 
     def _retire(self, replica_id: str) -> None:
-        """Drain a replica a reload removed (or moved) and then take it out; a moved one
-        joins again, as now configured, once the old one has left."""
+        """Drain a replica a reload removed (or moved), as `drain_replica` does: out of
+        routing now, before the reload returns; in-flight work gets `drain.timeout_s`;
+        then it leaves. A moved one joins again, as now configured, once it has left."""
+        self.monitor.drain(replica_id, restart=False)
+        deadline = clock.monotonic() + self.config.drain.timeout_s
 
         async def retire() -> None:
             try:
-                report = await self.drain_replica(replica_id, self.config.drain.timeout_s)
-                log.info(
-                    "reload: %s drained (%d request(s) still in flight at the deadline)",
-                    replica_id,
-                    report.streams_cut,
-                )
+                left = await self.ledger.wait_zero(replica_id, deadline)
+                if left:
+                    log.warning(
+                        "reload: %s still has %d request(s) in flight at its drain deadline; "
+                        "they finish on their connections, outside the fleet",
+                        replica_id,
+                        left,
+                    )
                 self.remove_replica(replica_id)
+                log.info("reload: %s left the fleet", replica_id)
             finally:
                 self._retiring.pop(replica_id, None)
             rc = self._after_retire.pop(replica_id, None)
