@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.chop import ChoppingRelay
 from tests.support.fleet import (
     MODEL,
     metric_sum,
@@ -114,3 +115,20 @@ def test_a_migrated_stream_keeps_the_public_name_from_a_second_engine(artifacts:
         assert metric_sum(scrape(gw.url), "seawall_migrations_total", outcome="ok") == 1
         with httpx.Client() as h:
             assert h.get(f"{gw.url}/v1/models").json()["data"][0]["id"] == PUBLIC
+
+
+def test_the_restamp_holds_when_every_field_arrives_split_across_reads(artifacts: Path) -> None:
+    """The network may cut `"model":"Qwen/Qwen3-8B"` anywhere; the relay in between
+    delivers the engine's bytes 7 at a time, so nearly every field is split."""
+    sim = start_sim(artifacts, model=SERVED)
+    with ChoppingRelay(sim.port or 0, piece=7) as relay, running(sim):
+        entry = {"model_name": PUBLIC, "litellm_params": {"model": SERVED, "api_base": relay.url}}
+        gw = start_gateway(artifacts, [], {"model_list": [entry]})
+        with running(gw):
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+            chunks = list(
+                client.completions.create(model=PUBLIC, prompt="Sea", max_tokens=30, stream=True)
+            )
+            assert len(chunks) >= 30 and {c.model for c in chunks} == {PUBLIC}
+            done = client.completions.create(model=PUBLIC, prompt="Sea", max_tokens=30)
+            assert done.model == PUBLIC
