@@ -71,25 +71,64 @@ def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts:
     log_dir = fresh(artifacts / "fleet")
     proc = spawn(
         seawall_argv(
-            "up", "--demo", "--demo-seconds", "12", "--demo-crash-at", "1",
+            "up", "--demo", "--demo-seconds", "14", "--demo-crash-at", "1",
             "--log-dir", str(log_dir),
         ),
         artifacts / "up.log",
     )  # fmt: skip
     try:
+        # The status page runs with the demo, at the address it prints, with its token.
+        for _ in range(600):
+            found = re.search(
+                r"status page (http://127\.0\.0\.1:\d+/status)#token=(\S+)", proc.log()
+            )
+            if found or not proc.alive():
+                break
+            time.sleep(0.1)
+        assert found, proc.log()[-4000:]
+        status_url, token = found.groups()
+        with urllib.request.urlopen(status_url, timeout=5) as page:
+            assert page.status == 200 and b"Admin token" in page.read()
+        state = urllib.request.Request(
+            status_url.replace("/status", "/admin/state"),
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(state, timeout=5) as resp:
+            assert len(json.loads(resp.read())["replicas"]) == 3
         assert proc.wait(timeout=90) == 0, proc.log()[-4000:]
     finally:
         proc.stop()
     output = assert_nothing_left(proc, log_dir)
-    assert re.search(r"replicas 3/3 running: r0 running pid=\d+ port=\d+", output)
+    assert re.search(
+        r"replicas 3/3 running: r0 running pid=\d+ port=\d+ restarts=0 routing=\S+ inflight=\d+",
+        output,
+    )
     assert re.search(
         r"gateway running http://127\.0\.0\.1:\d+ pid \d+ restarts 0 \(in-process\)", output
     )
-    traffic = re.search(r"^  traffic: requests (\d+): ok (\d+), failed (\d+)", output, re.M)
-    assert traffic, output[-3000:]
-    assert int(traffic.group(2)) > 0 and "tokens/s" in output
-    assert "demo: crashed r1 on purpose" in output
-    assert "event: r1 exited" in output and "r1 (restarts 1)" in output
+    crashed = re.search(r"demo: crashed (r\d) on purpose with (\d+) request\(s\) in flight", output)
+    assert crashed, output[-3000:]
+    victim = crashed.group(1)
+    assert f"event: {victim} exited" in output and f"{victim} (restarts 1)" in output
+    # What the gateway saved: every stream in flight on the crashed replica went on
+    # elsewhere (the demo's tier migrates), none was cut.
+    report = re.search(
+        rf"^  crash of {victim} with (\d+) request\(s\) in flight \((\d+) streaming\): "
+        r"(\d+) migrated, (\d+) retried, 0 failed \(a plain proxy would have cut \1\)$",
+        output,
+        re.M,
+    )
+    assert report, output[-3000:]
+    in_flight, streaming, migrated, retried = map(int, report.groups())
+    assert streaming >= 1 and migrated == streaming and migrated + retried == in_flight
+    # One truthful count: the gateway's tally and the client's agree.
+    client = re.search(
+        r"^  traffic: requests \d+: ok (\d+), failed (\d+), dropped (\d+)", output, re.M
+    )
+    gateway = re.search(r"^  gateway: answered ok (\d+), failed (\d+), dropped (\d+)", output, re.M)
+    assert client and gateway, output[-3000:]
+    assert int(client.group(1)) > 0 and client.groups() == gateway.groups()
+    assert "tokens/s" in output and "restart_refused" not in output
     assert "all processes stopped" in output
 
 
