@@ -142,6 +142,10 @@ class RetryConfig(_Strict):
     budget_max_balance: Annotated[float, Field(ge=0)] = 100.0  # cap on earned tokens
     eject_s: PositiveSeconds = 2.0  # a replica refusing connections is skipped this long
     max_migrations: Annotated[int, Field(ge=0, le=5)] = 2  # mid-stream, for tiers that opt in
+    # A continuation that gives no token within this is abandoned (the stream then ends
+    # cleanly): a replica with room prefills it within a few seconds, one that would
+    # queue it (every slot busy) would stall the client's stream for the whole ttft_s.
+    migration_ttft_s: PositiveSeconds = 4.0
 
 
 class HedgeConfig(_Strict):
@@ -176,6 +180,56 @@ class AdminConfig(_Strict):
     token_hash: str | None = None  # "sha256:<hex>" of the admin token (seawall keys new)
 
 
+class ServerConfig(_Strict):
+    """How the client listener treats connections, before any request reaches the
+    OpenAI routes (`gateway/frontdoor.py` enforces it; its docstring says why each
+    rule exists). A connection "has a valid key" once a request on it carried one;
+    until then it is unauthenticated, and unauthenticated connections have tighter caps,
+    so a flood without a key can never take the room kept for tenants."""
+
+    # Connection open (or, between requests, the first byte of the next one) -> the
+    # request's headers complete. A slow-header client is answered 408 and closed.
+    header_timeout_s: PositiveSeconds = 10.0
+    # Headers complete -> the whole body received. 4 MiB in 30 s is 140 KB/s.
+    body_timeout_s: PositiveSeconds = 30.0
+    # An idle connection between two requests is closed after this (aiohttp: 3,630 s).
+    keepalive_timeout_s: PositiveSeconds = 30.0
+    # Every client connection. Also bounded by the descriptor limit: at most
+    # (soft limit - fd_reserve) / 2, since each may hold an upstream connection too.
+    max_connections: Annotated[int, Field(ge=16)] = 4096
+    # Connections that have not yet sent a valid key (with no tenants configured, every
+    # connection). At either cap a new connection evicts the longest-waiting idle one
+    # of its kind; if none is idle it is refused with 503.
+    max_unauthenticated_connections: Annotated[int, Field(ge=1)] = 1024
+    max_unauthenticated_per_address: Annotated[int, Field(ge=1)] = 128
+    # Descriptors never given to client connections: the admin port, replicas, Redis,
+    # the ledger, logs. The soft descriptor limit is raised to the hard one at start.
+    fd_reserve: Annotated[int, Field(ge=32)] = 256
+
+    @model_validator(mode="after")
+    def _caps_nest(self) -> ServerConfig:
+        if self.max_unauthenticated_connections > self.max_connections:
+            raise ValueError("max_unauthenticated_connections must be <= max_connections")
+        if self.max_unauthenticated_per_address > self.max_unauthenticated_connections:
+            raise ValueError(
+                "max_unauthenticated_per_address must be <= max_unauthenticated_connections"
+            )
+        return self
+
+
+class MetricsConfig(_Strict):
+    """Who may read the gateway's own `/metrics` on the client port. Its labels name
+    tenants, tiers, models and replicas: one tenant must not learn another's name.
+
+    "auto" (the default) is "public" when no tenants are configured (an open gateway has
+    nobody to hide from) and "credential" otherwise. "credential" asks for a bearer token
+    whose hash is `token_hash` (a scrape-only credential, so Prometheus need not hold the
+    admin levers) or `admin.token_hash`; without either, nobody can read it."""
+
+    access: Literal["auto", "public", "credential"] = "auto"
+    token_hash: str | None = None  # "sha256:<hex>" (seawall keys new --tenant prometheus)
+
+
 class TierConfig(_Strict):
     priority: Annotated[int, Field(ge=0)] = 0  # 0 is the most important; larger sheds first
     max_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -187,6 +241,16 @@ class TierConfig(_Strict):
     requests_per_min: Annotated[int, Field(ge=1)] | None = None
     timeouts: TimeoutOverrides | None = None
     migrate: bool = False  # continue a stream on another replica when its replica dies
+    # Bodies larger than this are refused (413) before any token is counted. None: derived
+    # from max_prompt_tokens (protocol/tokens.py `max_prompt_bytes`: 10 bytes per token
+    # + 64 KiB for the rest of the body); no bound without max_prompt_tokens.
+    max_prompt_bytes: Annotated[int, Field(ge=1024)] | None = None
+
+    def prompt_bytes_limit(self) -> int | None:
+        """The byte bound the door applies to this tier's request bodies."""
+        from seawall.protocol.tokens import max_prompt_bytes
+
+        return self.max_prompt_bytes or max_prompt_bytes(self.max_prompt_tokens)
 
     def limits(self) -> TierLimits:
         default = self.max_tokens_default
@@ -290,6 +354,8 @@ class LoggingConfig(_Strict):
 
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
+    server: ServerConfig = ServerConfig()
+    metrics: MetricsConfig = MetricsConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     # LiteLLM's shape (see ModelListEntry): merged into `replicas`, after those listed
     # there, when the file is validated; never written back out (`exclude`).

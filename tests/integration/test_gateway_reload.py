@@ -138,6 +138,7 @@ def test_sighup_applies_the_new_file_and_refuses_a_bad_one(artifacts: Path) -> N
             "tiers": {"small": {"max_tokens": 10}},
             "tenants": tenants(alpha=(A, "small"), beta=(B, "default")),
             "fleet": {"liveness_interval_s": 0.25},
+            "metrics": {"access": "public"},  # the test reads the gateway's counters
         },
     )
     with running(gw, *sims), httpx.Client(base_url=gw.url, timeout=30) as http:

@@ -56,7 +56,7 @@ async def test_a_request_keeps_the_policy_it_authenticated_under() -> None:
     assert report.tiers.changed == ("small",)
     # The request already past authentication finishes under the old policy, whole.
     with pytest.raises(ApiError) as e:
-        gw.tenancy.tier_limits(inflight)
+        await gw.tenancy.tier_limits(inflight)
     assert e.value.status == 400 and "10" in e.value.message
     # Requests from now on: the new policy, whole.
     for key, allowed in ((A, False), (B, False), (C, True)):
@@ -67,7 +67,7 @@ async def test_a_request_keeps_the_policy_it_authenticated_under() -> None:
             assert e.value.status == 401
             continue
         gw.tenancy.authenticate(headers, ctx)
-        gw.tenancy.tier_limits(ctx)  # 50 <= 100: passes
+        await gw.tenancy.tier_limits(ctx)  # 50 <= 100: passes
         assert (ctx.tenant, ctx.tier) == ("gamma", "small")
     await gw.close()
 

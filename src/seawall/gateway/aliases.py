@@ -29,18 +29,32 @@ Must not: parse events, or touch a request or response of a replica without an a
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import orjson
 
+from seawall.errors import ApiError
 from seawall.gateway.h1 import Sink
 from seawall.gateway.upstream import Opened, UpstreamStream
 from seawall.protocol.sse import Event, SSEBuffer
 
 
-def upstream_body(body: bytes, served: str) -> bytes:
-    """The request body with `model` set to the replica's served name."""
+@overload
+def upstream_body(body: bytes, served: str) -> bytes: ...
+@overload
+def upstream_body(body: dict[str, Any], served: str) -> dict[str, Any]: ...
+def upstream_body(body: bytes | dict[str, Any], served: str) -> bytes | dict[str, Any]:
+    """The request (encoded, or still an object) with `model` set to the served name."""
+    if isinstance(body, dict):
+        return {**body, "model": served}
     obj = orjson.loads(body)
     obj["model"] = served
-    return orjson.dumps(obj)
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:  # orjson reads 1,024 levels deep but writes 254
+        raise ApiError(
+            400, "The request body is nested too deeply to be forwarded.", code="too_deep"
+        ) from None
 
 
 class Restamp:

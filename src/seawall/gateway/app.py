@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import random
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seawall import __version__, clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
+from seawall.auth import hash_key
 from seawall.config import ConfigError, GatewayConfig, ReplicaConfig
 from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
@@ -44,6 +46,8 @@ from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.fleet_admission import FleetAdmission
+from seawall.gateway.frontdoor import FrontDoor
+from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.proxy import Proxy
@@ -168,6 +172,7 @@ class Gateway:
             budget=self.budget,
             metrics=m,
             max_migrations=config.retry.max_migrations,
+            migration_ttft_s=config.retry.migration_ttft_s,
         )
         stack = admission_stack(
             draining=lambda: self.draining,
@@ -207,7 +212,7 @@ class Gateway:
                 hedging=h.enabled,
             )
 
-        self._runner: web.AppRunner | None = None
+        self.front_door: FrontDoor | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port: int | None = None
         self._seed_metrics()
@@ -513,7 +518,41 @@ class Gateway:
             tenants={name: t.tier for name, t in self.config.tenants.items()},
         )
 
+    def _metrics_public(self) -> bool:
+        access = self.config.metrics.access
+        return access == "public" or (access == "auto" and not self.config.tenants)
+
+    def _metrics_credentials(self) -> list[bytes]:
+        hashes = (self.config.metrics.token_hash, self.config.admin.token_hash)
+        return [h.encode() for h in hashes if h]
+
+    def _may_read_metrics(self, request: web.Request) -> bool:
+        """`/metrics` names tenants and tiers: with tenants configured it needs the
+        scrape credential or the admin token (config `metrics.access`)."""
+        if self._metrics_public():
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        presented = hash_key(token.strip()).encode()
+        return any(hmac.compare_digest(presented, h) for h in self._metrics_credentials())
+
+    def _has_valid_key(self, headers: Any) -> bool:
+        """For the front door's caps: does this request carry a tenant's valid key?"""
+        keys = self.tenancy.keys
+        return keys is not None and isinstance(keys.authenticate_headers(headers), str)
+
     async def _metrics(self, request: web.Request) -> web.Response:
+        if not self._may_read_metrics(request):
+            return _error(
+                ApiError(
+                    401,
+                    "The gateway's metrics need the scrape or admin bearer token.",
+                    code="metrics_unauthorized",
+                    type="AuthenticationError",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            )
         self._seed_metrics()  # replicas and models that came or went since the last scrape
         return web.Response(
             body=generate_latest(self.metrics.registry),
@@ -550,24 +589,25 @@ class Gateway:
                 apply=self.apply_discovered,
             )
         self._tasks.append(asyncio.create_task(self.catalog.run(self.session)))
-        self._runner = web.AppRunner(
+        if not self._metrics_public() and not self._metrics_credentials():
+            log.warning(
+                "tenants are configured, so /metrics needs a credential, and none is set: "
+                "set metrics.token_hash (seawall keys new --tenant prometheus) or "
+                "metrics.access: public"
+            )
+        # Timeouts, connection caps and JSON answers below the OpenAI API: frontdoor.py.
+        self.front_door = await serve_front_door(
             self.app(),
-            handler_cancellation=True,
-            access_log=None,
-            # The drain sequence (`shutdown`) has ended every request before the runner
-            # is cleaned up; aiohttp's own 60 s wait must not add to its deadline.
-            shutdown_timeout=CUT_GRACE_S,
-        )
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner,
             host or self.config.listen.host,
             self.config.listen.port if port is None else port,
-            backlog=1024,
+            self.config.server,
+            authorize=self._has_valid_key if self.config.tenants else None,
+            registry=self.metrics.registry,
+            # The drain sequence (`shutdown`) has ended every request before the runner
+            # is cleaned up; aiohttp's own 60 s wait must not add to its deadline.
+            shutdown_timeout_s=CUT_GRACE_S,
         )
-        await site.start()
-        server: Any = site._server
-        self.port = int(server.sockets[0].getsockname()[1])
+        self.port = self.front_door.port
         if self.admin is not None:
             await self.admin.start()
         return self.port
@@ -604,8 +644,8 @@ class Gateway:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._runner is not None:
-            await self._runner.cleanup()  # the listener: no new connections, then closed
+        if self.front_door is not None:
+            await self.front_door.close()  # the listener: no new connections, then closed
         if self.admin is not None:
             await self.admin.close()
         await self.monitor.stop()

@@ -122,7 +122,10 @@ class Proxy:
         req = ctx.req
         assert req is not None
         ctx.stage = "before_first_token" if req.stream else "non_streaming"
-        opened = await self.dispatcher.open(ctx, req.body_bytes())
+        # A stream that may migrate is sent as an object, so that each engine is asked
+        # for its per-chunk token counts in its own dialect (see migrate.py).
+        body = req.obj if ctx.stream.track_text else req.body_bytes()
+        opened = await self.dispatcher.open(ctx, body)
         if not req.stream:
             return await self.relay.unary(ctx, opened)
         return await self.relay.stream(request, ctx, opened)

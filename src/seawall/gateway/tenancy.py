@@ -29,8 +29,8 @@ from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
     TokenCounter,
-    count_chat_prompt,
-    count_completion_prompt,
+    check_prompt_bytes,
+    count_request_async,
 )
 from seawall.state.limits import Denied, Lease, LimitsBackend, TenantLimits, denied_error
 
@@ -95,6 +95,10 @@ class Tenancy:
     def tenants(self) -> Mapping[str, TenantConfig]:
         return self.policy.tenants
 
+    @property
+    def keys(self) -> KeyStore | None:
+        return self.policy.keys
+
     # -- 1. who is asking (headers only) ------------------------------------------------
 
     def authenticate(self, headers: Mapping[str, str], ctx: RequestCtx) -> None:
@@ -112,42 +116,55 @@ class Tenancy:
 
     # -- 2. what the tier allows --------------------------------------------------------
 
-    def tier_limits(self, ctx: RequestCtx) -> None:
+    async def tier_limits(self, ctx: RequestCtx) -> None:
         req = ctx.req
         assert req is not None
         policy = _pinned(ctx)
         tier = policy.tiers[ctx.tier]
         limits = policy.limits[ctx.tier]
-        ctx.stream.migrate = ctx.stream.track_text = tier.migrate and req.stream
-        # Count only when a limit needs the count.
+        ctx.stream.migrate = ctx.stream.track_text = tier.migrate and req.stream and req.n == 1
+        prompt_param = "messages" if req.route == "chat" else "prompt"
+        # The cost of looking is bounded before anything is counted: a body over the
+        # tier's byte bound cannot hold a prompt the tier allows (issue 11, item 5).
+        too_big = check_prompt_bytes(len(req.raw), tier.prompt_bytes_limit())
+        if too_big is not None:
+            await self._refused(ctx)
+            raise too_big
+        # Count only when a limit needs the count; large bodies off the event loop.
         reserve = self.admission.reserves_kv
         needs_count = (
             reserve or limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
         )
-        prompt_tokens = self.count_prompt(ctx) if needs_count else 0
+        counter = self.counters.get(req.model, self.estimate)
+        count = await count_request_async(req, counter) if needs_count else None
         requested = req.requested_max_tokens()
+        # Limits, rates and reservations count every prompt of a batch (and reservations
+        # every choice): a batch is as much work as its prompts sent one by one.
         decision = check_request(
-            prompt_tokens, requested, limits, "messages" if req.route == "chat" else "prompt"
+            count.prompt_tokens if count else 0, requested, limits, prompt_param
         )
         if isinstance(decision, Reject):
-            self.shed(ctx, "tier_limit")
+            await self._refused(ctx)
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
         if decision.max_tokens != requested:
             req.set(req.max_tokens_field(), decision.max_tokens)
-        ctx.prompt_tokens = prompt_tokens
-        if reserve:
-            # vLLM clamps prompt + max_tokens to max_model_len, so no request grows past it.
-            cap = self.max_model_len(req.model)
-            need = prompt_tokens + decision.max_tokens
-            ctx.reserve_tokens = min(need, cap) if cap else need
+        ctx.prompt_tokens = count.prompt_tokens if count else 0
+        if reserve and count is not None:
+            # vLLM clamps prompt + max_tokens to max_model_len, so no sequence grows past it.
+            ctx.reserve_tokens = count.kv_tokens(decision.max_tokens, self.max_model_len(req.model))
 
-    def count_prompt(self, ctx: RequestCtx) -> int:
-        req = ctx.req
-        assert req is not None
-        counter = self.counters.get(req.model, self.estimate)
-        if req.route == "chat":
-            return count_chat_prompt(req.obj["messages"], counter)
-        return count_completion_prompt(req.obj["prompt"], counter)
+    async def _refused(self, ctx: RequestCtx) -> None:
+        """A request refused for its size still counts against the tenant's request rate:
+        otherwise a flood of oversized requests costs its sender nothing (issue 11, item 5).
+        Only the request rate is charged; nothing is held."""
+        self.shed(ctx, "tier_limit")
+        rpm = _pinned(ctx).limits[ctx.tier].requests_per_min
+        if rpm is None:
+            return
+        now = clock.monotonic()
+        got = await self.backend.acquire(ctx.tenant, TenantLimits(rpm, None, None), 0, now)
+        if isinstance(got, Lease):
+            await self.backend.release(got, None, now)
 
     # -- 3. rates and concurrency -------------------------------------------------------
 

@@ -98,6 +98,9 @@ class Opened:
     opened_at: float  # monotonic, when the attempt started
     first_token_at: float
     hold: Hold | None = None  # the attempt's claim in the in-flight ledger
+    # Chunk keys this upstream was asked for on our behalf (a running token count), to
+    # strip from what the client receives.
+    strip: frozenset[str] = frozenset()
 
     def close(self) -> None:
         """Done with the upstream: its connection is reused if the response was read to
