@@ -40,6 +40,7 @@ from seawall.config import ConfigError, TelemetryConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
     from seawall.gateway.replicas import Replica
@@ -91,7 +92,10 @@ def incoming(headers: Mapping[str, str]) -> TraceContext | None:
 class Tracing:
     """The tracer and its exporter; built only when `telemetry.enabled`."""
 
-    def __init__(self, config: TelemetryConfig, version: str) -> None:
+    def __init__(
+        self, config: TelemetryConfig, version: str, exporter: SpanExporter | None = None
+    ) -> None:
+        """`exporter`: instead of OTLP/HTTP to `config.endpoint` (a benchmark's)."""
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
@@ -115,9 +119,12 @@ class Tracing:
             ),
             shutdown_on_exit=False,
         )
-        exporter = OTLPSpanExporter(
-            endpoint=config.endpoint, headers=dict(config.headers), timeout=config.export_timeout_s
-        )
+        if exporter is None:
+            exporter = OTLPSpanExporter(
+                endpoint=config.endpoint,
+                headers=dict(config.headers),
+                timeout=config.export_timeout_s,
+            )
         self.provider.add_span_processor(
             BatchSpanProcessor(
                 exporter,
