@@ -42,7 +42,10 @@ class ReplicaConfig(_Strict):
     # within the window on one node cordon it. None: the replica is its own failure
     # domain, so one replica's failures never take another out of service.
     node: str | None = None
-    id: str | None = None  # stable name in metrics and logs; default "r<index>"
+    # Stable name in metrics and logs; default "r<index>". A reload matches replicas by
+    # it: without ids, removing one renumbers the ones after it (each then drains and
+    # joins again), so give replicas ids where reloads change the list.
+    id: str | None = None
     engine: EngineKind = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
     # The public name clients ask for (LiteLLM's `model_name`), when it is not the served
