@@ -63,6 +63,7 @@ def test_clients_use_the_public_name_and_engines_get_their_served_name(artifacts
                 max_tokens=12,
                 stream=True,
                 stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
             )
         )
         assert len(chunks) > 3 and {c.model for c in chunks} == {PUBLIC}
@@ -127,7 +128,13 @@ def test_the_restamp_holds_when_every_field_arrives_split_across_reads(artifacts
         with running(gw):
             client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
             chunks = list(
-                client.completions.create(model=PUBLIC, prompt="Sea", max_tokens=30, stream=True)
+                client.completions.create(
+                    model=PUBLIC,
+                    prompt="Sea",
+                    max_tokens=30,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
             )
             assert len(chunks) >= 30 and {c.model for c in chunks} == {PUBLIC}
             done = client.completions.create(model=PUBLIC, prompt="Sea", max_tokens=30)
