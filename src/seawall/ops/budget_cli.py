@@ -187,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-prometheus",
         metavar="URL",
         help="fill in replicas, streams, restarts and the workload mix measured by a "
-        "Prometheus server that scrapes the gateway",
+        "Prometheus server that scrapes the gateway; per pool, with losses and recovery "
+        "times, when the gateway exports pools",
     )
     a("--prom-range", default="1d", help="range the measurements cover (default: 1d)")
     a("--prom-at", default=None, help="evaluation time (unix seconds or RFC 3339; default: now)")
