@@ -24,6 +24,7 @@ import orjson
 from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError
+from seawall.gateway import aliases
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
@@ -130,6 +131,11 @@ class Dispatcher:
         its own (a continuation's)."""
         req = ctx.req
         assert req is not None
+        # A replica reached under an alias gets its own served name (and answers under
+        # the public one); None: the names agree, nothing to rewrite.
+        served = replica.model if replica.model != ctx.model else None
+        if served is not None:
+            body = aliases.upstream_body(body, served)
         strip: frozenset[str] = frozenset()
         if isinstance(body, dict):
             engine = self.replicas.view(replica, self.replicas.snapshot()).engine
@@ -137,6 +143,14 @@ class Dispatcher:
             body = encode_body(counted)
         first_token_s = ctx.timeouts.ttft_s if ttft_s is None else min(ttft_s, ctx.timeouts.ttft_s)
         wait = first_token_wait(clock.monotonic(), ctx.deadline, first_token_s, req.stream)
+        # With tracing on, the attempt's own span is the replica's parent; otherwise the
+        # client's trace context goes on as it came (telemetry.py).
+        span = (
+            ctx.span.attempt(replica, served or ctx.model, ctx.stage == "streaming")
+            if ctx.span is not None
+            else None
+        )
+        trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
         try:
             opened = await self.upstream.open(
@@ -147,19 +161,30 @@ class Dispatcher:
                 ctx.request_id,
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
+                trace,
             )
         except AttemptFailed as f:
             hold.release()
             self._attempt_failed(replica, f.failure)
+            if span is not None:
+                span.end(f.outcome.value, failed=ATTEMPT_RULES[f.outcome].replica_fault)
             raise
         except BaseException:
             hold.release()
             outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
             self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            if span is not None:
+                span.end(outcome.value, failed=False)
             raise
         opened.hold = hold
         opened.strip = strip
+        if served is not None:
+            aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
+        if span is not None:
+            span.end(
+                Attempt.ok.value, failed=False, ttft_s=opened.first_token_at - opened.opened_at
+            )
         return opened
 
     def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
@@ -187,6 +212,8 @@ class Dispatcher:
         self.metrics.ttft.labels(ctx.model).observe(ttft)
         if self.on_ttft is not None:
             self.on_ttft(ttft)
+        if ctx.span is not None:
+            ctx.span.first_token(ttft, opened.replica.id, opened.body is None)
 
     def _exhausted(
         self,
