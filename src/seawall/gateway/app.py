@@ -277,6 +277,8 @@ class Gateway:
     def remove_replica(self, replica_id: str) -> None:
         self.replicas.remove(replica_id)
         self.monitor.remove_replica(replica_id)
+        if self.fleet_admission.control is not None:
+            self.fleet_admission.control.forget(replica_id)
         with contextlib.suppress(KeyError):
             self.metrics.inflight.remove(replica_id)
 
