@@ -81,6 +81,9 @@ class KubeApi:
         self.service = service
         self.port = port
         self.on_delete: Callable[[Pod], None] | None = None
+        # Set by a test: Lease reads wait here until this many are in flight together
+        # (so that racing writers both read the same record before either writes).
+        self.lease_read_barrier: asyncio.Barrier | None = None
         self._rv = itertools.count(100)
         self.lock = threading.Lock()
 
@@ -120,6 +123,8 @@ class KubeApi:
             )
         parts = request.path.strip("/").split("/")
         if request.path.startswith("/apis/coordination.k8s.io/v1/namespaces/"):
+            if request.method == "GET" and self.lease_read_barrier is not None:
+                await self.lease_read_barrier.wait()
             return self._lease(request.method, parts[4], parts[6] if len(parts) > 6 else None, body)
         if request.path.startswith("/apis/discovery.k8s.io/v1/namespaces/"):
             return self._slices(parts[4])
@@ -209,7 +214,7 @@ class KubeApi:
             "kind": "Pod",
             "apiVersion": "v1",
             "metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid},
-            "spec": {"nodeName": p.node},
+            "spec": {"nodeName": p.node, "containers": [{"name": "engine", "image": "vllm"}]},
             "status": {"podIP": p.ip},
         }
 
