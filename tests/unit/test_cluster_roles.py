@@ -163,6 +163,9 @@ async def test_a_leader_that_cannot_renew_steps_down_before_its_lease_could_expi
     await a._elect()
     await b._elect()
     await b._follow_once()
+    await a._beat()
+    await b._beat()
+    await a._beat()
     store.down = True
     await a._beat()
     await b._beat()
@@ -176,11 +179,13 @@ async def test_a_leader_that_cannot_renew_steps_down_before_its_lease_could_expi
     await a._elect()
     assert not a.leading and ha.roles == ["leader", "follower"]
     # The store comes back: nothing restarts, the loops simply succeed again.
+    assert (a.instance_count(), b.instance_count()) == (2, 2)  # the last known count
     store.down = False
-    t.now += 5.0
+    t.now += 5.0  # every membership has expired meanwhile, as in a restarted Redis
     await b._elect()
     await a._elect()
     await b._beat()
+    assert b.instance_count() == 2  # a has not heartbeated yet: not news
     await a._beat()
     assert b.leading and not a.leading
     b.changed()

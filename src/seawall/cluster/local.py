@@ -12,6 +12,11 @@ Protocol: each message is a 4-byte big-endian length and an orjson object. A req
 Bytes travel base64-encoded. One request at a time per connection (the client holds a
 lock): the cluster's calls are a few per second, and ordering them is free.
 
+Hosting: whatever runs the instances on a host starts a `StoreServer` in its own
+process (the parent of several workers, `seawall up`), or runs it on its own:
+`python -m seawall.cluster.local --socket PATH` (it prints its socket and serves until
+SIGTERM).
+
 Must not: hold any state outside the hosted `MemoryStore` (the server restarts empty,
 like a Redis without persistence), or raise anything but `StoreUnavailable` and
 `FencedOut` from the client.
@@ -19,10 +24,12 @@ like a Redis without persistence), or raise anything but `StoreUnavailable` and
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
 import logging
+import signal
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -264,3 +271,31 @@ class LocalStoreClient:
                 writer.close()
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
+
+
+async def host(path: str | Path) -> None:
+    """Serve a fresh store at `path` until SIGTERM or SIGINT."""
+    server = StoreServer(path)
+    await server.start()
+    print(f"seawall cluster store listening on unix:{server.path}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m seawall.cluster.local",
+        description="Host the cluster store for gateway processes on this host.",
+    )
+    parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    args = parser.parse_args(argv)
+    asyncio.run(host(args.socket))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

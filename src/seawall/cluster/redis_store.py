@@ -10,9 +10,13 @@ Keys, under `key_prefix` (default `seawall:cluster:`): `epoch` (the fencing epoc
 `leader` (JSON holder/info/epoch, with a PX expiry: the lease TTL), `members` and
 `members:exp`, and the callers' own `kv:<key>`, `list:<key>` and `hash:<key>`.
 
-Must not: retry a call (a renewal whose reply was merely late is renewed again on the
-next tick anyway; a retried append would write twice), block longer than its socket
-timeout, or raise anything but `StoreUnavailable` and `FencedOut`.
+Retries: one, on a fresh connection, and only after a connection error (refused, reset,
+closed): after Redis restarts, every connection idle in the pool is dead and fails its
+first use, and that must not read as a second outage. Never after a timeout: a reply
+that was merely late may have been applied, and the next tick comes anyway.
+
+Must not: block longer than twice its socket timeout, or raise anything but
+`StoreUnavailable` and `FencedOut`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from seawall.cluster.store import DEFAULT_LIST_CAP, FencedOut, Lease, StoreUnavailable
@@ -151,7 +156,7 @@ class RedisStore:
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
         )
         r = self._redis

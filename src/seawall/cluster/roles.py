@@ -270,6 +270,7 @@ class RoleManager:
         self._view_clock = ViewClock()
         self._last_renewed: float | None = None
         self._store_failing_since: float | None = None
+        self._store_back_at = -1e9
         self._store_error = ""
         self._standing = Standing(False)
         self._instances = 1
@@ -374,6 +375,7 @@ class RoleManager:
         if self._store_failing_since is not None:
             self._store_failing_since = None
             self._store_error = ""
+            self._store_back_at = clock.monotonic()
         self._assess()
 
     def _store_failed(self, error: BaseException) -> None:
@@ -443,7 +445,12 @@ class RoleManager:
                 reports[name] = decode_report(item)
             except ValueError as e:
                 log.debug("ignoring the report of %s: %s", name, e)
-        self._instances = 1 + len(reports)
+        live = 1 + len(reports)
+        if clock.monotonic() - self._store_back_at < self.timing.member_ttl_s:
+            # A store that just came back (perhaps empty) fills up again as instances
+            # heartbeat: until each had its turn, a smaller count is not news.
+            live = max(live, self._instances)
+        self._instances = live
         self.peers.update(reports)
 
     async def _election_loop(self) -> None:
@@ -467,6 +474,8 @@ class RoleManager:
             ):
                 await self._demote(f"could not renew the lease: {e}")
             return
+        if self.elector is self.store:
+            self._store_ok()
         self._lease = lease
         if lease is not None:
             self._seen_epoch = max(self._seen_epoch, lease.epoch)
