@@ -36,7 +36,7 @@ from tests.support.cluster import (
     wait_for_leader,
 )
 from tests.support.counting_proxy import CountingProxy, counting_proxy
-from tests.support.fleet import MODEL, metric_sum, scrape, start_sim, wait_until
+from tests.support.fleet import MODEL, metric_sum, scrape, set_fault, start_sim, wait_until
 from tests.support.procs import Proc, spawn
 from tests.support.redis_server import RedisServer
 
@@ -249,10 +249,23 @@ def test_redis_stopped_every_instance_serves_on_its_last_view_and_recovers(
     assert refused.json()["error"]["code"] == "no_fleet_leader"
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
     assert int(refused.headers["Retry-After"]) >= 1
-    time.sleep(1.0)  # a while on the last view; then the store returns
+    # Longer on the last view than admission trusts a scrape (metrics_max_age_s, 5 s):
+    # the view's engine readings are dropped, its states kept; every instance serves.
+    wait_until(
+        lambda: all(gw.cluster()["view_age_s"] > 6.0 for gw in instances), 15, what="an old view"
+    )
     for gw in instances:
-        assert gw.complete().status_code == 200
-        assert gw.cluster()["view_age_s"] > 1.0
+        for _ in range(4):
+            assert gw.complete().status_code == 200
+    # With no view coming, an instance's own requests are its evidence: a replica that
+    # fails every request is ejected from its routing after 5 in a row (outlier rule).
+    set_fault(sims[0], {"kind": "errors", "rate": 1.0})
+    before = _attempts(follower, "r0")
+    for _ in range(15):
+        assert follower.complete().status_code == 200  # retried on r1
+    assert _attempts(follower, "r0") - before <= ClusterConfig().outlier_consecutive_failures
+    assert "ejected for 5 s" in follower.proc.log()
+    set_fault(sims[0], {"kind": "clear"})
 
     redis_server.start()  # empty: this test's Redis keeps nothing on disk
     new = wait_for_leader(instances, timeout=15)

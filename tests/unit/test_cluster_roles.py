@@ -17,7 +17,6 @@ from seawall import clock
 from seawall.cluster.report import InstanceReport, ReplicaReport
 from seawall.cluster.roles import (
     ActHere,
-    ClusterTiming,
     ForwardTo,
     NoLeader,
     Peers,
@@ -25,14 +24,15 @@ from seawall.cluster.roles import (
     RoleManager,
 )
 from seawall.cluster.store import MemoryStore, StoreUnavailable
+from seawall.config import ClusterConfig
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor
 from seawall.fleet.published import PublishedReplica, PublishedView
 from seawall.fleet.tracked import ReplicaSpec
-from seawall.fleet.view import ReplicaView
+from seawall.fleet.view import EngineLoad, ReplicaView
 from seawall.state.ledger import StoreLedger
 
-TIMING = ClusterTiming(lease_ttl_s=4.0, renew_interval_s=1.0, min_publish_interval_s=0.0)
+TIMING = ClusterConfig(min_publish_interval_s=1e-9)  # the defaults; publish without delay
 
 
 class Time:
@@ -295,5 +295,37 @@ async def test_a_follower_monitor_shows_the_view_and_a_promotion_keeps_every_sta
 
         monitor.follow()
         assert all(rep.tasks == [] for rep in monitor._replicas.values())
+    finally:
+        await monitor.stop()
+
+
+async def test_a_view_held_past_its_freshness_keeps_its_states_but_not_its_readings() -> None:
+    monitor = FleetMonitor(
+        FleetMonitorConfig(), ledger=StoreLedger(MemoryStore(), lambda: 0), leading=False
+    )
+    await monitor.start()
+    try:
+        monitor.add_replica(SPEC)
+        old = clock.monotonic() - 60.0  # scraped a minute ago by a leader now gone
+        load = EngineLoad(
+            running=9,
+            waiting=40,
+            kv_usage=0.97,
+            kv_capacity_tokens=1584,
+            kv_block_size=16,
+            scraped_at=old,
+        )
+        view = ReplicaView(
+            "r0", SPEC.url, "m", "node-a", True, "ready", "", 0.5, load, saturated=True
+        )
+        monitor.apply_view(PublishedView("a", 1, 1, 0.0, old, (PublishedReplica(SPEC, view),)))
+        monitor.hold_view()
+        held = monitor.snapshot().replicas["r0"]
+        assert held.routable and held.state == "ready" and held.score == 0.5
+        assert not held.saturated  # a minute-old queue says nothing about now
+        assert held.load is not None
+        assert (held.load.kv_capacity_tokens, held.load.kv_block_size) == (1584, 16)
+        assert held.load.kv_usage is None and held.load.waiting is None
+        assert clock.monotonic() - held.load.scraped_at < 1.0
     finally:
         await monitor.stop()

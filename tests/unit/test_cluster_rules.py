@@ -3,10 +3,13 @@ bound, passive outlier detection, and the view and report encodings (with their 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from seawall import clock
 from seawall.cluster.report import InstanceReport, ReplicaReport, decode_report, encode_report
-from seawall.config import ClusterConfig
+from seawall.config import ClusterConfig, ConfigError, parse_config
 from seawall.fleet.published import (
     PublishedReplica,
     PublishedView,
@@ -16,7 +19,9 @@ from seawall.fleet.published import (
     view_order,
 )
 from seawall.fleet.tracked import ReplicaSpec
-from seawall.fleet.view import EngineLoad, ReplicaView
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
+from seawall.gateway.inflight import InFlight
+from seawall.gateway.replicas import Replica, ReplicaSet
 from seawall.policy import outlier
 from seawall.policy.leadership import failover_bound_s, must_step_down, standing
 
@@ -155,3 +160,55 @@ def test_reports_round_trip_and_carry_the_demand_seam() -> None:
     )
     back = decode_report(encode_report(report))
     assert back == report and back.view_applied == (3, 9)
+
+
+# ----------------------------------------- a follower's replica set, and its configuration
+
+
+def _replica_set(n: int) -> tuple[ReplicaSet, list[Replica]]:
+    rs = ReplicaSet(InFlight(), random.Random(0))
+    replicas = [Replica(f"r{i}", f"http://127.0.0.1:{9000 + i}", "m", None) for i in range(n)]
+    for r in replicas:
+        rs.add(r)
+    return rs, replicas
+
+
+def test_a_follower_ejects_a_replica_its_requests_keep_failing_on() -> None:
+    rs, (bad, good) = _replica_set(2)
+    rs.outlier_rule = RULE
+    for _ in range(3):
+        bad.observe_outcome(False)
+    now = clock.monotonic()
+    assert not rs.usable(bad, now, FleetSnapshot()) and rs.usable(good, now, FleetSnapshot())
+    assert bad.outlier_until - now == pytest.approx(5.0, abs=0.5)
+    # The other one failing too is ejected no further: never more than half of a model.
+    for _ in range(3):
+        good.observe_outcome(False)
+    assert rs.usable(good, now, FleetSnapshot())
+    # On promotion the leader's probes judge instead: the ejections are lifted.
+    rs.outlier_rule = None
+    assert rs.usable(bad, now, FleetSnapshot())
+
+
+def test_a_leader_or_a_single_instance_ejects_nothing_by_outliers() -> None:
+    rs, (bad, _) = _replica_set(2)
+    for _ in range(10):
+        bad.observe_outcome(False)
+    assert rs.usable(bad, clock.monotonic(), FleetSnapshot())
+
+
+def test_the_cluster_section_resolves_secrets_and_refuses_incoherent_timings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
+    cfg = parse_config(
+        {"cluster": {"store": "redis", "redis_url": "redis://:${REDIS_PASSWORD}@r:6379/0"}}
+    )
+    assert cfg.cluster.enabled and cfg.cluster.redis_url == "redis://:s3cret@r:6379/0"
+    assert not parse_config({}).cluster.enabled  # a single instance leads itself
+    with pytest.raises(ConfigError, match="needs a shared store"):
+        parse_config({"cluster": {"election": "kubernetes"}})
+    with pytest.raises(ConfigError, match="at least twice"):
+        parse_config({"cluster": {"store": "redis", "lease_ttl_s": 1.5, "renew_interval_s": 1.0}})
+    with pytest.raises(ConfigError, match=r"cluster\.stroe: unknown field"):
+        parse_config({"cluster": {"stroe": "redis"}})

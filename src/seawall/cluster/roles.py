@@ -20,8 +20,9 @@ lease, or when this one could not renew it for `lease_ttl_s - renew_interval_s` 
 stops before anyone else can start: `policy.leadership`).
 
 Fail-static: when the store is unreachable, or a follower's view is older than
-`view_stale_s`, the instance keeps serving on the view it has plus its own passive
-signals, and says so: `status()` (the `/readyz` body, the admin API), the metrics
+`view_stale_s`, the instance keeps serving on the view it has (without its engine
+readings once they are stale, `hooks.hold_view`) plus its own passive signals, and
+says so: `status()` (the `/readyz` body, the admin API), the metrics
 `seawall_cluster_role`, `seawall_cluster_fail_static` and `seawall_fleet_view_age_seconds`,
 and one log line per transition. Nothing restarts: when the store returns, the loops
 simply succeed again.
@@ -57,6 +58,7 @@ from seawall.cluster.report import (
     encode_report,
 )
 from seawall.cluster.store import ClusterStore, Elector, FencedOut, Lease, StoreUnavailable
+from seawall.config import ClusterConfig
 from seawall.fleet.published import PublishedView, ViewClock, decode_view, encode_view, view_order
 from seawall.fleet.signals import Observed
 from seawall.policy.leadership import Standing, failover_bound_s, must_step_down, standing
@@ -66,20 +68,6 @@ log = logging.getLogger("seawall.cluster")
 VIEW_KEY = "fleet:view"
 LEADER = "leader"
 FOLLOWER = "follower"
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterTiming:
-    """The intervals (documented once, in `seawall.config.ClusterConfig`)."""
-
-    lease_ttl_s: float = 4.0
-    renew_interval_s: float = 1.0
-    heartbeat_interval_s: float = 0.5
-    member_ttl_s: float = 3.0
-    view_poll_interval_s: float = 0.25
-    publish_interval_s: float = 1.0
-    min_publish_interval_s: float = 0.05
-    view_stale_s: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +83,9 @@ class RoleHooks:
     admin_url: Callable[[], str]
     # The leader's per-instance grants, from the live reports (the exact-admission seam).
     quotas: Callable[[Mapping[str, InstanceReport]], Mapping[str, Any]] = lambda reports: {}
+    # Fail-static, with a view older than `view_stale_s`: keep it, without its stale
+    # engine readings (`FleetMonitor.hold_view`); called every poll while it lasts.
+    hold_view: Callable[[], None] = lambda: None
 
 
 class ClusterMetricFamilies(Protocol):
@@ -249,14 +240,14 @@ class RoleManager:
         store: ClusterStore,
         elector: Elector | None,
         hooks: RoleHooks,
-        timing: ClusterTiming | None = None,
+        timing: ClusterConfig,
         metrics: ClusterMetricFamilies | None = None,
     ) -> None:
         self.instance = instance
         self.store = store
         self.elector: Elector = elector or store
         self.hooks = hooks
-        self.timing = timing or ClusterTiming()
+        self.timing = timing  # the intervals, documented in `seawall.config.ClusterConfig`
         self.metrics = metrics
         self.peers = Peers(needed=lambda: (self._epoch, self._pending_seq))
         self._leading = False
@@ -539,6 +530,9 @@ class RoleManager:
                 await self._publish_when_due()
             else:
                 await self._follow_once()
+                age_s = self.view_age_s()
+                if age_s is not None and age_s > self.timing.view_stale_s:
+                    self.hooks.hold_view()
                 await asyncio.sleep(self.timing.view_poll_interval_s)
 
     async def _publish_when_due(self) -> None:

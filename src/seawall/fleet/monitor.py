@@ -26,7 +26,8 @@ Roles: one leader, many followers (several gateway instances, `seawall.cluster`)
 monitor that leads (the default, and always for a single instance) does all of the
 above. A follower's monitor runs no loops at all: no probes, no scrapes, no watchdog,
 no actions; `apply_view` makes its snapshot the leader's published view (its records
-follow the view too, for the admin API). `lead()` turns a follower into the leader
+follow the view too, for the admin API); on a view too old to refresh (fail-static),
+`hold_view` keeps it without its stale engine readings. `lead()` turns a follower into the leader
 without a blip: every replica keeps the state the last view gave it (a ready replica
 stays ready while the new leader's first probes go out), a replica the old leader was
 draining is drained again, one it was restarting is `starting`, and the cordons come
@@ -65,7 +66,7 @@ from seawall.fleet.gpu import HEALTHY, GpuHealth, assess, parse_dcgm
 from seawall.fleet.published import PublishedReplica, PublishedView
 from seawall.fleet.signals import GatewaySignals, NoGatewaySignals, Observed
 from seawall.fleet.tracked import ReplicaSpec, TrackedDomain, TrackedReplica, TransitionRecord
-from seawall.fleet.view import FleetSnapshot, ReplicaView
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.policy import health
 from seawall.policy import replica_rules as rules
 from seawall.policy.health import Action, Event, State, Transition
@@ -401,6 +402,28 @@ class FleetMonitor:
             elif reasons is None:
                 d.evidence, d.since_wall = None, None
         self._snapshot = view.snapshot()
+        for listener in self._listeners:
+            listener(self._snapshot)
+
+    def hold_view(self) -> None:
+        """Fail-static: keep routing on the last view (states, holds, cordons, scores),
+        but without its engine readings, which are now older than anything admission
+        may act on: each load keeps only what does not change while a replica runs
+        (its KV capacity and block size, so this instance's own KV reservations still
+        bound what it admits), stamped now, and no saturation verdict drawn from old
+        queues. Without this, a view older than admission's `metrics_max_age_s` would
+        read as "metrics stale" on every replica and refuse all work."""
+        if self._leading:
+            return
+        now = clock.monotonic()
+        snap = self._snapshot
+        held = {
+            rid: dataclasses.replace(
+                v, load=_static_load(v.load, now), saturated=False, saturation_reason=""
+            )
+            for rid, v in snap.replicas.items()
+        }
+        self._snapshot = FleetSnapshot(held, snap.taken_at, snap.cordoned)
         for listener in self._listeners:
             listener(self._snapshot)
 
@@ -1003,6 +1026,14 @@ def _thresholds(cfg: FleetMonitorConfig) -> rules.Thresholds:
         deep_probe_idle_interval_s=cfg.deep_probe_idle_interval_s,
         deep_probe_jitter=cfg.deep_probe_jitter,
         lag_spoils_fraction=cfg.probe_lag_spoils_fraction,
+    )
+
+
+def _static_load(load: EngineLoad | None, now: float) -> EngineLoad | None:
+    if load is None:
+        return None
+    return EngineLoad(
+        kv_capacity_tokens=load.kv_capacity_tokens, kv_block_size=load.kv_block_size, scraped_at=now
     )
 
 

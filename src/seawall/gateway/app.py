@@ -14,12 +14,12 @@ request path):
 
 `shutdown()` is the drain sequence, its order written once with a reason per step.
 
-Several instances, one fleet (`cluster:` in the configuration): the cluster store, the
-elector and the `RoleManager` are built in `_cluster_parts` and wired in `__init__`
-(the monitor starts as a follower, reads fleet-wide signals and writes the shared
-ledger); the role manager's hooks are the `_cluster_*` methods below, the only places
-where leadership changes what this instance does. Without a store the instance leads
-itself and nothing of this exists.
+Several instances, one fleet (`cluster:` in the configuration): the cluster store
+(`_cluster_store`) and the `RoleManager` are wired in `__init__` (the monitor then starts
+as a follower, reads fleet-wide signals and writes the shared ledger), a Kubernetes
+Lease elector in `start()`; the role manager's hooks are the `_cluster_*` methods, the
+only places where leadership changes what this instance does. Without a store the
+instance leads itself and none of this exists.
 
 Must not: hold request-path logic (that is `proxy.py` and the modules it composes) or be
 imported by the components it builds.
@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from seawall import clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
 from seawall.cluster.report import ReplicaReport
-from seawall.cluster.roles import ActHere, ClusterTiming, OperatorRoute, RoleHooks, RoleManager
+from seawall.cluster.roles import ActHere, OperatorRoute, RoleHooks, RoleManager
 from seawall.cluster.store import ClusterStore
 from seawall.config import ClusterConfig, ConfigError, GatewayConfig
 from seawall.errors import ApiError
@@ -129,8 +129,9 @@ class Gateway:
                     export_view=self._cluster_export_view,
                     replica_reports=self._cluster_reports,
                     admin_url=self._advertised_admin_url,
+                    hold_view=lambda: self.monitor.hold_view(),
                 ),
-                timing=_cluster_timing(cc),
+                timing=cc,
                 metrics=m,
             )
             signals = FleetWideSignals(signals, self.cluster.peers)
@@ -667,19 +668,6 @@ def _cluster_store(cc: ClusterConfig) -> ClusterStore:
     from seawall.cluster.local import LocalStoreClient
 
     return LocalStoreClient(cc.local_socket, timeout_s=cc.store_timeout_s)
-
-
-def _cluster_timing(cc: ClusterConfig) -> ClusterTiming:
-    return ClusterTiming(
-        lease_ttl_s=cc.lease_ttl_s,
-        renew_interval_s=cc.renew_interval_s,
-        heartbeat_interval_s=cc.heartbeat_interval_s,
-        member_ttl_s=cc.member_ttl_s,
-        view_poll_interval_s=cc.view_poll_interval_s,
-        publish_interval_s=cc.publish_interval_s,
-        min_publish_interval_s=cc.min_publish_interval_s,
-        view_stale_s=cc.view_stale_s,
-    )
 
 
 def _outlier_rule(cc: ClusterConfig) -> OutlierRule:
