@@ -1,6 +1,7 @@
-"""One actor for the whole fleet, on Kubernetes: three `seawall serve` instances with the
-Kubernetes actuator and EndpointSlice discovery, sharing a real redis-server, in front
-of two `seawall sim` replicas that play two pods.
+"""One actor for the whole fleet, on Kubernetes: three `seawall serve` instances electing
+their leader through a coordination.k8s.io Lease, with the Kubernetes actuator and
+EndpointSlice discovery, keeping the fleet view and the ledger in a real redis-server,
+in front of two `seawall sim` replicas that play two pods.
 
 The API server is the loopback one in tests/support/kube_api.py (no real one can run
 here); the gateways reach it through a kubeconfig, as they would outside a cluster. It
@@ -115,11 +116,24 @@ def test_a_hang_is_one_restart_and_one_row_and_k_restarts_are_one_cordon(
                 artifacts,
                 ("gw-a", "gw-b", "gw-c"),
                 [],
-                {"store": "redis", "redis_url": redis_server.url},
+                {
+                    "store": "redis",
+                    "redis_url": redis_server.url,
+                    "election": "kubernetes",
+                    "lease_namespace": NS,
+                },
                 fleet=fleet,
                 env={"KUBECONFIG": str(kubeconfig)},
             )
             leader = wait_for_leader(instances)
+            # The Lease decides; the state in Redis is fenced by the Lease's epoch.
+            lease = api.leases[(NS, "seawall-fleet-leader")]
+            assert lease["spec"]["holderIdentity"] == leader.name
+            assert lease["metadata"]["annotations"]["seawall.io/leader-info"] == leader.admin
+            store = redis.Redis.from_url(redis_server.url)
+            wait_until(lambda: store.get(f"{PREFIX}kv:fleet:view") is not None, 10)
+            assert int(store.get(f"{PREFIX}epoch") or 0) == lease["spec"]["leaseTransitions"]
+            assert store.get(f"{PREFIX}leader") is None  # no second election in Redis
             for gw in instances:  # followers learn the replicas from the leader's view
                 wait_until(
                     lambda gw=gw: (
@@ -133,7 +147,6 @@ def test_a_hang_is_one_restart_and_one_row_and_k_restarts_are_one_cordon(
             # Only the leader discovers: one instance's worth of EndpointSlice lists.
             lists_per_s = _rate(api, "GET", "/endpointslices", 3.0)
             assert 0 < lists_per_s <= 1.5 / 0.5, lists_per_s
-            store = redis.Redis.from_url(redis_server.url)
 
             # 1. One hang, seen by every instance's requests alike: one delete, one row.
             uid_before = api.pods[(NS, "vllm-0")].uid
