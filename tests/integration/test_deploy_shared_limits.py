@@ -104,7 +104,9 @@ def test_one_tenants_limit_holds_across_three_gateways(
         degraded = [
             line
             for gw in gateways
-            for line in client.get(gw.url + "/metrics").text.splitlines()
+            # Every Secret value here is the tenant's key hash, so its key also
+            # passes as the scrape credential (metrics.token_hash).
+            for line in client.get(gw.url + "/metrics", headers=headers).text.splitlines()
             if line.startswith("seawall_ratelimit_backend_degraded ")
         ]
 

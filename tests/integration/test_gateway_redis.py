@@ -44,6 +44,7 @@ def gateways(
         "tiers": {"t": tier},
         "tenants": {"acme": {"tier": "t", "api_key_hashes": [hash_key(HASH_KEY)]}},
         "admission": {"enabled": False},
+        "metrics": {"access": "public"},  # this test reads each gateway's counters
     }
     return [start_gateway(artifacts, [sim], cfg, name=f"gw{i}") for i in range(3)]
 

@@ -49,6 +49,7 @@ def test_the_sdk_retries_a_rate_limit_after_the_wait_the_gateway_names(artifacts
     config = {
         "tiers": {"t": {"requests_per_min": 40}},  # one request every 1.5 s after a burst
         "tenants": {"acme": {"tier": "t", "api_key_hashes": [hash_key(KEY)]}},
+        "metrics": {"access": "public"},  # this test reads the shed counters
     }
     gw = start_gateway(artifacts, [sim], config)
     with running(gw, sim):

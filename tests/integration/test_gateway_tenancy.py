@@ -99,6 +99,7 @@ def test_tier_limits_reject_or_clamp_before_the_engine(sim: Proc, artifacts: Pat
     }
     # No deep probes: this test counts the requests the engine served.
     cfg["fleet"] = {"deep_probe_interval_s": 3600, "deep_probe_idle_interval_s": 3600}
+    cfg["metrics"] = {"access": "public"}  # this test reads the shed counters
     gw = start_gateway(artifacts, [sim], cfg)
     with running(gw):
         long_prompt = "the seawall holds " * 40

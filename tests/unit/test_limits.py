@@ -214,3 +214,55 @@ async def test_denials_become_the_errors_a_client_can_act_on() -> None:
 
 def test_without_a_redis_url_the_backend_is_in_memory() -> None:
     assert isinstance(open_limits_backend(None), MemoryLimits)
+
+
+# ------------------------------------------- issue 11, item 7: leases and Retry-After
+
+
+async def test_concurrency_retry_after_does_not_promise_one_second_for_a_lease_held_long() -> None:
+    """A lease that has outlived every request the tenant finished (a lost one, of a
+    gateway that crashed or of an acquire whose answer never arrived) frees at its
+    expiry at the latest; telling the client `Retry-After: 1` for ten minutes was a lie."""
+    backend, limits = MemoryLimits(lease_ttl_s=660.0), TenantLimits(max_concurrent=1)
+    assert isinstance(await take(backend, limits, 0, now=0.0), Lease)  # never released
+    denied = await take(backend, limits, 0, now=300.0)
+    assert isinstance(denied, Denied) and denied.reason == "max_concurrent"
+    # Held 300 s with nothing known about its end: expected about as long again, and
+    # never beyond its expiry at 660 s.
+    assert denied.retry_after_s == about(300.0)
+    late = await take(backend, limits, 0, now=500.0)
+    assert isinstance(late, Denied) and late.retry_after_s == about(160.0)  # its expiry
+    assert isinstance(await take(backend, limits, 0, now=660.0), Lease)
+
+
+async def test_concurrency_retry_after_counts_what_a_young_lease_has_already_run() -> None:
+    backend, limits = MemoryLimits(lease_ttl_s=660.0), TenantLimits(max_concurrent=1)
+    for start in (0.0, 10.0, 20.0):  # three requests of 4 s each
+        lease = await take(backend, limits, 0, now=start)
+        assert isinstance(lease, Lease)
+        await backend.release(lease, None, now=start + 4.0)
+    assert isinstance(await take(backend, limits, 0, now=30.0), Lease)
+    denied = await take(backend, limits, 0, now=31.0)
+    assert isinstance(denied, Denied) and denied.retry_after_s == about(3.0)
+
+
+async def test_an_acquire_is_idempotent_by_lease_id_and_can_be_cancelled() -> None:
+    backend, limits = MemoryLimits(), TenantLimits(requests_per_min=10, max_concurrent=1)
+    first = await backend.acquire("acme", limits, 0, 0.0, lease_id="lease-1")
+    again = await backend.acquire("acme", limits, 0, 0.0, lease_id="lease-1")
+    assert isinstance(first, Lease) and again == first  # the same grant, charged once
+    assert backend.in_flight("acme") == 1
+    await backend.cancel("acme", "lease-1", now=0.0)
+    assert backend.in_flight("acme") == 0
+    # Cancelled first, acquired after (the acquire's message was late): never granted.
+    await backend.cancel("acme", "lease-2", now=0.0)
+    late = await backend.acquire("acme", limits, 0, 0.0, lease_id="lease-2")
+    assert isinstance(late, Denied) and backend.in_flight("acme") == 0
+    # The cancelled grant gave its request back: the whole minute's 10 still fit.
+    granted = 0
+    for i in range(12):
+        lease = await backend.acquire("acme", limits, 0, 0.0, lease_id=f"n{i}")
+        if isinstance(lease, Lease):
+            granted += 1
+            await backend.release(lease, None, 0.0)
+    assert granted == 10

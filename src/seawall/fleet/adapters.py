@@ -7,6 +7,16 @@ than by a silently empty load view.
 
 Must not do I/O or read the clock: the caller passes the text and `scraped_at`.
 
+Why a progress counter and not always "generated tokens". The progress watchdog reads
+`EngineLoad.generation_tokens_total` to tell a long request from a hung one, so that field
+must carry a counter the engine advances on every step. vLLM's generation-token counter
+does (per engine step). llama.cpp's `tokens_predicted_total`, SGLang's
+`generation_tokens_total` and TGI's token histograms are added to only when a request
+finishes: read as progress, four long requests look like a hang (issue 13, bug 1). For
+those engines the adapter reads the per-step counter instead: llama.cpp's decode calls,
+SGLang's realtime tokens, TGI's forward passes. Its unit is then not tokens; only its
+movement is used. Where each engine updates each counter: docs/engines-reference.md §4.5.
+
 Why a hand parser: scrapes run every second per replica and a vLLM scrape is ~550 lines
 of which we need six. `prometheus_client.parser` builds every family and sample object;
 this parser looks at the metric name of each line and skips the rest (measured ~40x
@@ -50,7 +60,9 @@ class Adapter:
     waiting: str | None
     kv_usage: str | None
     preemptions_total: str | None
-    generation_tokens_total: str | None
+    # A counter the engine advances on every step while it works (see the module doc);
+    # it feeds `EngineLoad.generation_tokens_total`, the progress watchdog's input.
+    progress_total: str | None
     prompt_tokens_total: str | None
     # An info gauge whose labels give the KV cache's size (vLLM's cache_config_info).
     kv_config: str | None = None
@@ -61,7 +73,7 @@ class Adapter:
             self.waiting,
             self.kv_usage,
             self.preemptions_total,
-            self.generation_tokens_total,
+            self.progress_total,
             self.prompt_tokens_total,
         )
         return tuple(n for n in names if n is not None)
@@ -86,7 +98,7 @@ class Adapter:
             waiting=get(self.waiting),
             kv_usage=get(self.kv_usage, MEAN),
             preemptions_total=get(self.preemptions_total),
-            generation_tokens_total=get(self.generation_tokens_total),
+            generation_tokens_total=get(self.progress_total),
             prompt_tokens_total=get(self.prompt_tokens_total),
             kv_capacity_tokens=capacity,
             kv_block_size=block_size,
@@ -101,7 +113,8 @@ _VLLM = Adapter(
     waiting="vllm:num_requests_waiting",
     kv_usage="vllm:kv_cache_usage_perc",
     preemptions_total="vllm:num_preemptions_total",
-    generation_tokens_total="vllm:generation_tokens_total",
+    # Incremented by each engine step's generated tokens (PrometheusStatLogger.record).
+    progress_total="vllm:generation_tokens_total",
     prompt_tokens_total="vllm:prompt_tokens_total",
     kv_config="vllm:cache_config_info",
 )
@@ -118,7 +131,9 @@ ADAPTERS: Mapping[EngineKind, Adapter] = {
         kv_usage="sglang:token_usage",
         # Retraction is SGLang's preemption: a running request evicted to free KV.
         preemptions_total="sglang:num_retracted_requests_total",
-        generation_tokens_total="sglang:generation_tokens_total",
+        # generation_tokens_total is added when a request finishes; realtime_tokens_total
+        # every scheduler iteration (label children: prefill_compute, prefill_cache, decode).
+        progress_total="sglang:realtime_tokens_total",
         prompt_tokens_total="sglang:prompt_tokens_total",
     ),
     EngineKind.TGI: Adapter(
@@ -127,7 +142,9 @@ ADAPTERS: Mapping[EngineKind, Adapter] = {
         waiting="tgi_queue_size",
         kv_usage=None,  # TGI exports no KV usage; None, never a guess
         preemptions_total=None,
-        generation_tokens_total=None,
+        # Token counts are histograms observed at request end; this counter goes up at
+        # every prefill and decode call (label `method`).
+        progress_total="tgi_batch_inference_count",
         prompt_tokens_total=None,
     ),
     EngineKind.LLAMACPP: Adapter(
@@ -137,7 +154,9 @@ ADAPTERS: Mapping[EngineKind, Adapter] = {
         # Dropped in current llama.cpp builds; read when present, None otherwise.
         kv_usage="llamacpp:kv_cache_usage_ratio",
         preemptions_total=None,
-        generation_tokens_total="llamacpp:tokens_predicted_total",
+        # tokens_predicted_total is added when a slot is released (metrics_on_prediction);
+        # n_decode_total at every llama_decode() call (metrics_post_decode).
+        progress_total="llamacpp:n_decode_total",
         prompt_tokens_total="llamacpp:prompt_tokens_total",
     ),
 }

@@ -946,6 +946,7 @@ class FleetMonitor:
             saturated=decided.saturated,
             saturation_reason=decided.saturation_reason,
             held=rep.held,
+            engine=rep.adapter.kind.value if rep.adapter else _configured_engine(rep.spec.engine),
             health_score=breakdown.total if breakdown else None,
             score_parts=tuple(breakdown.factors().items()) if breakdown else (),
         )
@@ -1086,3 +1087,7 @@ __all__ = [
     "TransitionRecord",
     "replica_specs",
 ]
+
+
+def _configured_engine(engine: str) -> str:
+    return "" if engine == "auto" else engine

@@ -30,6 +30,10 @@ class ReplicaView:
     saturated: bool = False  # admission: no new work while true
     saturation_reason: str = ""
     held: bool = False  # an operator holds it out of routing (drain without restart)
+    # The engine kind its metrics identify (fleet.adapters.EngineKind values), or the one
+    # configured; "" while unknown. The request path asks each engine for per-chunk token
+    # counts in its own dialect (migration needs them).
+    engine: str = ""
     health_score: float | None = None  # the health score alone; None before the first
     score_parts: tuple[tuple[str, float], ...] = ()  # its factors, for the metrics
 

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from seawall.config import DEFAULT_TIER, Timeouts
+from seawall.gateway.frontdoor import safe_request_id
 from seawall.protocol.openai import ParsedRequest, Route
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Ticket
+    from seawall.gateway.telemetry import RequestSpan, TraceContext
     from seawall.gateway.upstream import Opened
     from seawall.state.limits import Lease
 
@@ -29,13 +31,20 @@ class StreamState:
     track_text: bool = False  # keep the delivered text (migration needs it)
     migrate: bool = False  # the tier opted into mid-stream migration
     text: str = ""  # delivered so far (when tracked)
-    completion_tokens: int = 0  # delivered so far (when tracked)
     migrations: int = 0
     tokens_before_migration: int = 0  # delivered when the latest continuation began
+    upstream_tokens: int = 0  # delivered from the current upstream (tokens, not chunks)
+    prompt_tokens: int | None = None  # the prompt's count as the first replica reported it
+    strip: frozenset[str] = frozenset()  # chunk keys we asked the upstream for, not the client
     aborted: bool = False  # the engine ended the stream with finish_reason "abort"
     stream_id: str | None = None  # the first upstream's id and created
     created: int | None = None
     opened: Opened | None = None  # the upstream being relayed now
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens delivered so far (when tracked), across migrations."""
+        return self.tokens_before_migration + self.upstream_tokens
 
 
 @dataclass(slots=True)
@@ -54,6 +63,7 @@ class RequestCtx:
     ttft_s: float | None = None
     queued_s: float = 0.0  # time spent in the admission queue
     error: str = ""
+    error_code: str = ""  # of the error answered (an ApiError's code), for logs and traces
     stage: str = "parsing"  # for cancellations: where the client left
     ticket: Ticket | None = None
     lease: Lease | None = None  # the tenant's rate/concurrency claim, released at the end
@@ -62,6 +72,9 @@ class RequestCtx:
     prompt_tokens: int = 0  # counted at the door (0 when no limit needed the count)
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     stream: StreamState = field(default_factory=StreamState)
+    policy: object = None  # the tenancy policy it authenticated under (tenancy.Policy)
+    trace: TraceContext | None = None  # the client's W3C trace context, forwarded upstream
+    span: RequestSpan | None = None  # when tracing is on (telemetry.py)
 
     @property
     def deadline(self) -> float:
@@ -73,9 +86,7 @@ class RequestCtx:
 
 
 def new_request_id(incoming: str | None) -> str:
-    """The client's X-Request-Id when it is short, printable ASCII; otherwise a new one.
-    (Non-ASCII ids cannot be sent on as an HTTP header, and would be forwarded as raw
-    bytes that engines reject.)"""
-    if incoming and len(incoming) <= 128 and incoming.isascii() and incoming.isprintable():
-        return incoming
-    return os.urandom(12).hex()
+    """The client's X-Request-Id when it is safe to forward and log, otherwise a new one
+    (`frontdoor.safe_request_id`: non-ASCII ids cannot be sent on as an HTTP header and
+    would be forwarded as raw bytes that engines reject; a key pasted there is logged)."""
+    return safe_request_id(incoming) or os.urandom(12).hex()

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
+
+import orjson
 
 from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError
+from seawall.gateway import aliases
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.migrate import counting_request
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
@@ -32,6 +37,17 @@ from seawall.policy.hedge import HedgePolicy
 from seawall.policy.retry_budget import RetryBudget
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def encode_body(obj: dict[str, Any]) -> bytes:
+    """The request object as sent upstream; a client's object too deep to re-encode is
+    the client's error (orjson reads 1,024 levels but writes 254)."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        raise ApiError(
+            400, "The request body is nested too deeply to be forwarded.", code="too_deep"
+        ) from None
 
 
 class Dispatcher:
@@ -60,7 +76,7 @@ class Dispatcher:
 
     # -- the request's first token ------------------------------------------------------
 
-    async def open(self, ctx: RequestCtx, body: bytes) -> Opened:
+    async def open(self, ctx: RequestCtx, body: bytes | dict[str, Any]) -> Opened:
         """An upstream that produced the first token (or whole body), or raise the
         client's `ApiError`."""
         tried: set[str] = set()
@@ -94,18 +110,47 @@ class Dispatcher:
                 ):
                     raise self._exhausted(ctx, last, backoff) from None
 
-    def choose(self, ctx: RequestCtx, now: float, tried: set[str]) -> Replica | None:
+    def choose(
+        self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
+    ) -> Replica | None:
         free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
-        return self.replicas.choose(free or saturated)
+        return self.replicas.choose(free if free_only else free or saturated)
 
     async def attempt(
-        self, ctx: RequestCtx, replica: Replica, body: bytes, leg: _Leg | None = None
+        self,
+        ctx: RequestCtx,
+        replica: Replica,
+        body: bytes | dict[str, Any],
+        leg: _Leg | None = None,
+        ttft_s: float | None = None,
     ) -> Opened:
         """One attempt on `replica`, holding its in-flight claim until the returned
-        `Opened` is closed (or at once, on failure). `leg`: one copy of a hedge."""
+        `Opened` is closed (or at once, on failure). `body` as an object: the request is
+        sent asking the replica's engine for per-chunk token counts (a stream that may
+        migrate needs them). `leg`: one copy of a hedge. `ttft_s`: a first-token wait of
+        its own (a continuation's)."""
         req = ctx.req
         assert req is not None
-        wait = first_token_wait(clock.monotonic(), ctx.deadline, ctx.timeouts.ttft_s, req.stream)
+        # A replica reached under an alias gets its own served name (and answers under
+        # the public one); None: the names agree, nothing to rewrite.
+        served = replica.model if replica.model != ctx.model else None
+        if served is not None:
+            body = aliases.upstream_body(body, served)
+        strip: frozenset[str] = frozenset()
+        if isinstance(body, dict):
+            engine = self.replicas.view(replica, self.replicas.snapshot()).engine
+            counted, strip = counting_request(body, engine or replica.engine)
+            body = encode_body(counted)
+        first_token_s = ctx.timeouts.ttft_s if ttft_s is None else min(ttft_s, ctx.timeouts.ttft_s)
+        wait = first_token_wait(clock.monotonic(), ctx.deadline, first_token_s, req.stream)
+        # With tracing on, the attempt's own span is the replica's parent; otherwise the
+        # client's trace context goes on as it came (telemetry.py).
+        span = (
+            ctx.span.attempt(replica, served or ctx.model, ctx.stage == "streaming")
+            if ctx.span is not None
+            else None
+        )
+        trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
         try:
             opened = await self.upstream.open(
@@ -116,18 +161,30 @@ class Dispatcher:
                 ctx.request_id,
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
+                trace,
             )
         except AttemptFailed as f:
             hold.release()
             self._attempt_failed(replica, f.failure)
+            if span is not None:
+                span.end(f.outcome.value, failed=ATTEMPT_RULES[f.outcome].replica_fault)
             raise
         except BaseException:
             hold.release()
             outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
             self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            if span is not None:
+                span.end(outcome.value, failed=False)
             raise
         opened.hold = hold
+        opened.strip = strip
+        if served is not None:
+            aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
+        if span is not None:
+            span.end(
+                Attempt.ok.value, failed=False, ttft_s=opened.first_token_at - opened.opened_at
+            )
         return opened
 
     def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
@@ -155,6 +212,8 @@ class Dispatcher:
         self.metrics.ttft.labels(ctx.model).observe(ttft)
         if self.on_ttft is not None:
             self.on_ttft(ttft)
+        if ctx.span is not None:
+            ctx.span.first_token(ttft, opened.replica.id, opened.body is None)
 
     def _exhausted(
         self,
@@ -187,7 +246,7 @@ class Dispatcher:
         return self.hedge.allows(len(ctx.req.raw) // 4, self.fleet_load())
 
     async def _hedged(
-        self, ctx: RequestCtx, first: Replica, body: bytes, tried: set[str]
+        self, ctx: RequestCtx, first: Replica, body: bytes | dict[str, Any], tried: set[str]
     ) -> Opened:
         """Race a delayed second copy against a slow first attempt; the first token wins."""
         assert self.hedge is not None

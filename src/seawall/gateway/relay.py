@@ -23,16 +23,17 @@ requests.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 from aiohttp import HttpVersion11, web
 
 from seawall import clock
-from seawall.gateway.context import RequestCtx
+from seawall.gateway.context import RequestCtx, StreamState
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.h1 import BrokenResponse
 from seawall.gateway.idle import IdleDeadline
-from seawall.gateway.migrate import combined_usage, continuation_body
+from seawall.gateway.migrate import combined_usage, continuation_body, running_count
 from seawall.gateway.outcomes import STREAM_RULES, StreamEnd, stream_error
 from seawall.gateway.replicas import Replica
 from seawall.gateway.upstream import AttemptFailed, Opened
@@ -67,11 +68,13 @@ class Relay:
         budget: RetryBudget,
         metrics: Metrics,
         max_migrations: int,
+        migration_ttft_s: float,
     ) -> None:
         self.dispatcher = dispatcher
         self.budget = budget
         self.metrics = metrics
         self.max_migrations = max_migrations
+        self.migration_ttft_s = migration_ttft_s
 
     async def unary(self, ctx: RequestCtx, opened: Opened) -> web.Response:
         """A non-streaming answer, relayed as the engine wrote it."""
@@ -114,6 +117,7 @@ class Relay:
         ctx.status = 200
         st = ctx.stream
         st.opened = opened
+        self._counting(ctx, opened)
         if opened.hold is not None:
             opened.hold.stream()
         try:
@@ -129,6 +133,15 @@ class Relay:
             current.close()
         return resp
 
+    @staticmethod
+    def _counting(ctx: RequestCtx, opened: Opened) -> None:
+        """What this upstream was asked for on our behalf is stripped from the client's
+        stream: the per-chunk counts, and the usage chunk if the client did not ask."""
+        st = ctx.stream
+        st.strip = opened.strip
+        if "usage" in opened.strip and ctx.req is not None and not ctx.req.include_usage:
+            st.strip_usage = True
+
     async def _relay(self, request: web.Request, ctx: RequestCtx, resp: web.StreamResponse) -> None:
         st = ctx.stream
         opened = st.opened
@@ -141,6 +154,7 @@ class Relay:
                 break
             opened.close()
             opened = st.opened = nxt
+            self._counting(ctx, nxt)
             if nxt.hold is not None:
                 nxt.hold.stream()
             ctx.stage = "streaming"
@@ -235,7 +249,7 @@ class Relay:
             if ev.kind is Kind.USAGE and obj is not None:
                 usage = usage_of(obj)
                 if migrated and usage is not None:
-                    usage = combined_usage(usage, st.tokens_before_migration)
+                    usage = combined_usage(usage, st.tokens_before_migration, st.prompt_tokens)
                 ctx.usage = usage
                 if st.strip_usage:
                     continue
@@ -247,17 +261,32 @@ class Relay:
                 if st.stream_id is None:
                     st.stream_id, st.created = obj.get("id"), obj.get("created")
                 if st.track_text:
-                    text = "".join(choice_text(c) for c in obj["choices"])
-                    if text:
-                        st.text += text
-                        st.completion_tokens += 1
+                    self._count(st, obj)
+                relayed = _without(obj, st.strip)
+                usage = usage_of(obj)
+                if usage is not None:
+                    # Some engines (llama.cpp) put the final usage on the last token chunk.
+                    if migrated:
+                        usage = combined_usage(usage, st.tokens_before_migration, st.prompt_tokens)
+                        if "usage" in relayed:
+                            relayed = {**relayed, "usage": usage}
+                    ctx.usage = usage
                 if migrated:
-                    raw = event_bytes({**obj, "id": st.stream_id, "created": st.created})
+                    raw = event_bytes({**relayed, "id": st.stream_id, "created": st.created})
+                elif relayed is not obj:
+                    raw = event_bytes(relayed)
             elif ev.kind is Kind.PRELUDE and obj is not None:
+                if st.track_text:
+                    # A chunk without text still counts: a role chunk may carry the prompt's
+                    # count, and llama.cpp sends a held-back token as an empty chunk.
+                    self._count(st, obj)
                 if migrated:
                     continue  # the continuation's own role chunk: the client has one already
                 if st.stream_id is None:
                     st.stream_id, st.created = obj.get("id"), obj.get("created")
+                stripped = _without(obj, st.strip)
+                if stripped is not obj:
+                    raw = event_bytes(stripped)
             elif ev.kind is Kind.ABORT:
                 if st.migrate:
                     # Hold the abort back: another replica may finish the answer.
@@ -268,6 +297,20 @@ class Relay:
                 end = StreamEnd.done
             out.append(raw)
         return b"".join(out), end
+
+    @staticmethod
+    def _count(st: StreamState, obj: dict[str, Any]) -> None:
+        """Delivered text and tokens, from the count the engine reports on the chunk when
+        it does (see `migrate.running_count`), else one token per chunk with text."""
+        text = "".join(choice_text(c) for c in obj.get("choices") or ())
+        st.text += text
+        count, prompt = running_count(obj)
+        if count is not None:
+            st.upstream_tokens = count
+        elif text:
+            st.upstream_tokens += 1
+        if prompt is not None and st.migrations == 0:
+            st.prompt_tokens = prompt
 
     def _may_migrate(self, ctx: RequestCtx, end: StreamEnd) -> bool:
         st = ctx.stream
@@ -289,13 +332,15 @@ class Relay:
             return None
         tried = {failed.id}
         while True:
-            replica = d.choose(ctx, clock.monotonic(), tried)
+            # Only where there is room: a saturated replica would queue the continuation
+            # and stall the client's stream (issue 13 bug 4).
+            replica = d.choose(ctx, clock.monotonic(), tried, free_only=True)
             if replica is None or clock.monotonic() >= ctx.deadline:
                 self.metrics.migrations.labels("failed").inc()
                 return None
             tried.add(replica.id)
             try:
-                opened = await d.attempt(ctx, replica, body)
+                opened = await d.attempt(ctx, replica, body, ttft_s=self.migration_ttft_s)
             except AttemptFailed:
                 if len(tried) > d.retry.max_attempts:
                     self.metrics.migrations.labels("failed").inc()
@@ -304,10 +349,18 @@ class Relay:
             st.migrations += 1
             ctx.attempts += 1
             st.tokens_before_migration = st.completion_tokens
+            st.upstream_tokens = 0
             if not req.include_usage:
                 st.strip_usage = True  # the continuation asked for usage; the client did not
             self.metrics.migrations.labels("ok").inc()
             return opened
+
+
+def _without(obj: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
+    """`obj` without `keys` (the same object when it has none of them)."""
+    if not keys or keys.isdisjoint(obj):
+        return obj
+    return {k: v for k, v in obj.items() if k not in keys}
 
 
 def _uncancel_cut(ctx: RequestCtx) -> bool:

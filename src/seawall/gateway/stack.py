@@ -62,7 +62,7 @@ def admission_stack(
             )
 
     async def tier_limits(request: web.Request, ctx: RequestCtx) -> None:
-        tenancy.tier_limits(ctx)
+        await tenancy.tier_limits(ctx)
 
     async def rates(request: web.Request, ctx: RequestCtx) -> None:
         await tenancy.rates(ctx)
@@ -93,8 +93,9 @@ def admission_stack(
         Step(
             "tier_limits",
             tier_limits,
-            "prompt and max_tokens limits: a request that can never be served is refused "
-            "before it takes a rate-limit token or a concurrency slot",
+            "prompt and max_tokens limits, a byte bound before any counting: a request that "
+            "can never be served is refused before it takes a concurrency slot or a token "
+            "budget (it is still charged to the request rate, so a flood of them is not free)",
         ),
         Step(
             "rates",

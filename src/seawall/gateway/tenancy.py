@@ -16,24 +16,49 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from seawall import clock
 from seawall.auth import KeyStore
-from seawall.config import GatewayConfig, TierConfig
+from seawall.config import GatewayConfig, TenantConfig, TierConfig
 from seawall.errors import ApiError
 from seawall.gateway.context import RequestCtx
 from seawall.metrics import Metrics
-from seawall.policy.limits import Reject, check_request
+from seawall.policy.limits import Reject, TierLimits, check_request
 from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
     TokenCounter,
-    count_chat_prompt,
-    count_completion_prompt,
+    check_prompt_bytes,
+    count_request_async,
 )
 from seawall.state.limits import Denied, Lease, LimitsBackend, TenantLimits, denied_error
 
 log = logging.getLogger("seawall.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Tenants, their keys and the tiers, as one value: a reload builds a new one and
+    swaps it in with one assignment, and each request keeps the one it authenticated
+    under (`RequestCtx.policy`), so no request sees a mix of two configurations."""
+
+    tiers: Mapping[str, TierConfig]
+    tenants: Mapping[str, TenantConfig]
+    keys: KeyStore | None  # None: no tenants, the gateway is open
+    limits: Mapping[str, TierLimits]
+
+    @classmethod
+    def of(cls, config: GatewayConfig) -> Policy:
+        """Raises ValueError for a key hash listed under two tenants."""
+        tenants = config.tenants
+        keys = (
+            KeyStore.from_tenants({n: t.api_key_hashes for n, t in tenants.items()})
+            if tenants
+            else None
+        )
+        limits = {name: tier.limits() for name, tier in config.tiers.items()}
+        return cls(config.tiers, tenants, keys, limits)
 
 
 class Tenancy:
@@ -44,16 +69,9 @@ class Tenancy:
         metrics: Metrics,
         max_model_len: Callable[[str], int | None],
     ) -> None:
-        self.tiers = config.tiers
-        self.tenants = config.tenants
+        self.policy = Policy.of(config)
         self.admission = config.admission
         self.ratelimit = config.ratelimit
-        self.keys: KeyStore | None = (
-            KeyStore.from_tenants({n: t.api_key_hashes for n, t in self.tenants.items()})
-            if self.tenants
-            else None
-        )
-        self.limits = {name: tier.limits() for name, tier in self.tiers.items()}
         self.backend = backend
         self.metrics = metrics
         self.max_model_len = max_model_len
@@ -63,62 +81,95 @@ class Tenancy:
         self.estimate = EstimateCounter()
         self._orphans: set[asyncio.Future[None]] = set()
 
+    def reload(self, config: GatewayConfig) -> None:
+        """New tenants, keys and tiers for the requests that authenticate from now on;
+        requests already past `authenticate` finish under the policy they started with.
+        Raises ValueError (and keeps the old policy) for a key under two tenants."""
+        self.policy = Policy.of(config)
+
+    @property
+    def tiers(self) -> Mapping[str, TierConfig]:
+        return self.policy.tiers
+
+    @property
+    def tenants(self) -> Mapping[str, TenantConfig]:
+        return self.policy.tenants
+
+    @property
+    def keys(self) -> KeyStore | None:
+        return self.policy.keys
+
     # -- 1. who is asking (headers only) ------------------------------------------------
 
     def authenticate(self, headers: Mapping[str, str], ctx: RequestCtx) -> None:
-        if self.keys is not None:
-            who = self.keys.authenticate_headers(headers)
+        policy = ctx.policy = self.policy  # this request's, to its end
+        if policy.keys is not None:
+            who = policy.keys.authenticate_headers(headers)
             if isinstance(who, ApiError):
                 raise who
             ctx.tenant = who
-            ctx.tier = self.tenants[who].tier
-        tier = self.tiers[ctx.tier]
+            ctx.tier = policy.tenants[who].tier
+        tier = policy.tiers[ctx.tier]
         ctx.priority = tier.priority
         if tier.timeouts is not None:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
 
     # -- 2. what the tier allows --------------------------------------------------------
 
-    def tier_limits(self, ctx: RequestCtx) -> None:
+    async def tier_limits(self, ctx: RequestCtx) -> None:
         req = ctx.req
         assert req is not None
-        tier = self.tiers[ctx.tier]
-        limits = self.limits[ctx.tier]
-        ctx.stream.migrate = ctx.stream.track_text = tier.migrate and req.stream
-        # Count only when a limit needs the count.
+        policy = _pinned(ctx)
+        tier = policy.tiers[ctx.tier]
+        limits = policy.limits[ctx.tier]
+        ctx.stream.migrate = ctx.stream.track_text = tier.migrate and req.stream and req.n == 1
+        prompt_param = "messages" if req.route == "chat" else "prompt"
+        # The cost of looking is bounded before anything is counted: a body over the
+        # tier's byte bound cannot hold a prompt the tier allows (issue 11, item 5).
+        too_big = check_prompt_bytes(len(req.raw), tier.prompt_bytes_limit())
+        if too_big is not None:
+            await self._refused(ctx)
+            raise too_big
+        # Count only when a limit needs the count; large bodies off the event loop.
         reserve = self.admission.reserves_kv
         needs_count = (
             reserve or limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
         )
-        prompt_tokens = self.count_prompt(ctx) if needs_count else 0
+        counter = self.counters.get(req.model, self.estimate)
+        count = await count_request_async(req, counter) if needs_count else None
         requested = req.requested_max_tokens()
+        # Limits, rates and reservations count every prompt of a batch (and reservations
+        # every choice): a batch is as much work as its prompts sent one by one.
         decision = check_request(
-            prompt_tokens, requested, limits, "messages" if req.route == "chat" else "prompt"
+            count.prompt_tokens if count else 0, requested, limits, prompt_param
         )
         if isinstance(decision, Reject):
-            self.shed(ctx, "tier_limit")
+            await self._refused(ctx)
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
         if decision.max_tokens != requested:
             req.set(req.max_tokens_field(), decision.max_tokens)
-        ctx.prompt_tokens = prompt_tokens
-        if reserve:
-            # vLLM clamps prompt + max_tokens to max_model_len, so no request grows past it.
-            cap = self.max_model_len(req.model)
-            need = prompt_tokens + decision.max_tokens
-            ctx.reserve_tokens = min(need, cap) if cap else need
+        ctx.prompt_tokens = count.prompt_tokens if count else 0
+        if reserve and count is not None:
+            # vLLM clamps prompt + max_tokens to max_model_len, so no sequence grows past it.
+            ctx.reserve_tokens = count.kv_tokens(decision.max_tokens, self.max_model_len(req.model))
 
-    def count_prompt(self, ctx: RequestCtx) -> int:
-        req = ctx.req
-        assert req is not None
-        counter = self.counters.get(req.model, self.estimate)
-        if req.route == "chat":
-            return count_chat_prompt(req.obj["messages"], counter)
-        return count_completion_prompt(req.obj["prompt"], counter)
+    async def _refused(self, ctx: RequestCtx) -> None:
+        """A request refused for its size still counts against the tenant's request rate:
+        otherwise a flood of oversized requests costs its sender nothing (issue 11, item 5).
+        Only the request rate is charged; nothing is held."""
+        self.shed(ctx, "tier_limit")
+        rpm = _pinned(ctx).limits[ctx.tier].requests_per_min
+        if rpm is None:
+            return
+        now = clock.monotonic()
+        got = await self.backend.acquire(ctx.tenant, TenantLimits(rpm, None, None), 0, now)
+        if isinstance(got, Lease):
+            await self.backend.release(got, None, now)
 
     # -- 3. rates and concurrency -------------------------------------------------------
 
     async def rates(self, ctx: RequestCtx) -> None:
-        limits = self.limits[ctx.tier]
+        limits = _pinned(ctx).limits[ctx.tier]
         if not (limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent):
             return
         req = ctx.req
@@ -181,21 +232,28 @@ class Tenancy:
         self.metrics.record_shed(ctx.tenant, ctx.tier, reason, clock.monotonic() - ctx.started)
 
     def tier(self, name: str) -> TierConfig:
-        return self.tiers[name]
+        return self.policy.tiers[name]
 
     def summary(self) -> dict[str, object]:
         """For the admin API."""
+        policy = self.policy
         return {
             "backend": self.ratelimit.backend,
             "fail_mode": self.ratelimit.fail_mode,
             "degraded": self.backend.degraded,
-            "tenants": len(self.tenants),
-            "open": self.keys is None,
+            "tenants": len(policy.tenants),
+            "open": policy.keys is None,
             "admission": self.admission.enabled,
         }
 
     async def close(self) -> None:
         await self.backend.close()
+
+
+def _pinned(ctx: RequestCtx) -> Policy:
+    policy = ctx.policy
+    assert isinstance(policy, Policy), "authenticate() runs first"
+    return policy
 
 
 def warn_if_open(config: GatewayConfig) -> None:

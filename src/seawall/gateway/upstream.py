@@ -18,6 +18,7 @@ It must not decide retries, pick replicas or touch the client: the dispatcher do
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,10 +67,15 @@ def _failed(
 class UpstreamStream(Protocol):
     """An upstream response being read: what the relay needs of it (see `H1Connection`)."""
 
-    headers: dict[str, str]
-    complete: bool  # the response ended
-    stopped: bool  # the sink ended the relay
-    paused: bool  # reading paused until the client's socket drains
+    # Read-only here: the connection sets them (an alias's restamping wrapper delegates).
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def complete(self) -> bool: ...  # the response ended
+    @property
+    def stopped(self) -> bool: ...  # the sink ended the relay
+    @property
+    def paused(self) -> bool: ...  # reading paused until the client's socket drains
 
     def relay(self, sink: Sink) -> None: ...
     async def wait_relay(self) -> None: ...
@@ -92,6 +98,9 @@ class Opened:
     opened_at: float  # monotonic, when the attempt started
     first_token_at: float
     hold: Hold | None = None  # the attempt's claim in the in-flight ledger
+    # Chunk keys this upstream was asked for on our behalf (a running token count), to
+    # strip from what the client receives.
+    strip: frozenset[str] = frozenset()
 
     def close(self) -> None:
         """Done with the upstream: its connection is reused if the response was read to
@@ -112,9 +121,11 @@ class Upstream(Protocol):
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         """Send the request and wait for its first token (streaming) or whole body;
-        raise `AttemptFailed` otherwise. Cancellation closes the connection."""
+        raise `AttemptFailed` otherwise. Cancellation closes the connection. `trace`:
+        the W3C trace context headers for the replica (see telemetry.py)."""
         ...
 
     def close(self) -> None: ...
@@ -129,10 +140,14 @@ def parse_retry_after(value: str | None) -> float | None:
         return None  # an HTTP-date; engines do not send those
 
 
-def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
+def upstream_headers(
+    replica: Replica, request_id: str, trace: Mapping[str, str] | None = None
+) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if replica.api_key:
         headers["Authorization"] = f"Bearer {replica.api_key}"
+    if trace:
+        headers.update(trace)  # traceparent, tracestate: checked or made by telemetry.py
     return headers
 
 
@@ -151,9 +166,10 @@ class H1Upstream:
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         return await open_attempt(
-            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome
+            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome, trace
         )
 
     def close(self) -> None:
@@ -169,6 +185,7 @@ async def open_attempt(
     request_id: str,
     timeout_s: float,
     timeout_outcome: Attempt,
+    trace: Mapping[str, str] | None = None,
 ) -> Opened:
     """Send the request and wait for its first token (streaming) or whole body.
 
@@ -180,7 +197,7 @@ async def open_attempt(
     try:
         async with asyncio.timeout(timeout_s):
             conn = await pool.request(
-                replica.endpoint, path, upstream_headers(replica, request_id), body
+                replica.endpoint, path, upstream_headers(replica, request_id, trace), body
             )
             if conn.status != 200:
                 raise await _http_failure(conn)

@@ -64,9 +64,11 @@ ENGINE_NAMES: Mapping[str, EngineNames] = {
         progress_total="vllm:generation_tokens_total",
         ttft_seconds="vllm:time_to_first_token_seconds",
     ),
+    # SGLang's generation_tokens_total is added to when a request finishes; the realtime
+    # counter moves on every step (docs/engines-reference.md §4.5).
     "sglang": _names(
         EngineKind.SGLANG,
-        progress_total="sglang:generation_tokens_total",
+        progress_total="sglang:realtime_tokens_total",
         ttft_seconds="sglang:time_to_first_token_seconds",
     ),
     # TGI's token counts are histograms observed at request end; the batch counter moves

@@ -3,18 +3,44 @@
 Sans-I/O. The gateway forwards the client's bytes unchanged unless a policy must change
 the request (a default or clamped `max_tokens`, `include_usage` added for accounting);
 then `ParsedRequest.body_bytes()` re-serialises the edited object.
+
+`n` (choices per prompt) is parsed as vLLM's pydantic models parse it (lax integers:
+`2`, `2.0`, `"2"`, `true`), so the count the gateway charges is the count the engine
+runs; `n > 1` is served (issue 13) and counted as `n` sequences per prompt by
+`protocol.tokens.count_request`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
 
-from seawall.errors import ApiError, bad_request
+from seawall.errors import bad_request
 
 Route = Literal["completions", "chat"]
+
+# orjson's limit when writing (it reads deeper): a body edited by the gateway must fit.
+MAX_WRITTEN_DEPTH = 254
+
+# Strings pydantic's lax mode reads as integers (a subset: what it reads, it reads the same).
+_INT_STRING = re.compile(r" *[+-]?[0-9]+(?:\.0+)? *")
+_INT64 = 2**63
+
+
+def lax_int(value: Any) -> int | None:
+    """`value` as vLLM's pydantic models read an `int` field in lax mode (`2`, `2.0`,
+    `"2"`, `true`), or None if it would not be an integer. Never reads a value as a
+    different number than pydantic would; may refuse a few exotic spellings it accepts."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < _INT64 else None
+    if isinstance(value, str) and _INT_STRING.fullmatch(value):
+        return int(value.strip().split(".")[0])
+    return None
 
 
 @dataclass(slots=True)
@@ -24,6 +50,7 @@ class ParsedRequest:
     raw: bytes
     model: str
     stream: bool
+    n: int = 1  # sequences per prompt the engine will run (n, or best_of if larger)
     edited: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -46,7 +73,16 @@ class ParsedRequest:
         self.edited = True
 
     def body_bytes(self) -> bytes:
-        return orjson.dumps(self.obj) if self.edited else self.raw
+        if not self.edited:
+            return self.raw
+        try:
+            return orjson.dumps(self.obj)
+        except orjson.JSONEncodeError:
+            # orjson reads 1,024 levels of nesting but writes only 254: a body the
+            # gateway edits must fit what it can write back (no OpenAI field nests so).
+            raise bad_request(
+                f"The request body is nested more than {MAX_WRITTEN_DEPTH} levels deep."
+            ) from None
 
 
 def parse(route: Route, raw: bytes) -> ParsedRequest:
@@ -71,7 +107,7 @@ def parse(route: Route, raw: bytes) -> ParsedRequest:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("`messages` must be a non-empty list.", param="messages")
-    elif "prompt" not in obj or obj["prompt"] is None:
+    elif obj.get("prompt") is None and obj.get("prompt_embeds") is None:
         raise bad_request("`prompt` is required.", param="prompt")
     for key in ("max_tokens", "max_completion_tokens"):
         value = obj.get(key)
@@ -79,8 +115,21 @@ def parse(route: Route, raw: bytes) -> ParsedRequest:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise bad_request(f"`{key}` must be a positive integer.", param=key)
-    n = obj.get("n", 1)
-    if n is not None and n != 1:
-        # One choice per request keeps retry, hedge and migration semantics exact.
-        raise ApiError(400, "Only n=1 is supported by this gateway.", param="n")
-    return ParsedRequest(route, obj, raw, model, stream)
+    n = _positive_lax_int(obj, "n")
+    if route == "completions":
+        # vLLM's completions accept best_of: that many sequences run, n are returned.
+        n = max(n, _positive_lax_int(obj, "best_of"))
+    return ParsedRequest(route, obj, raw, model, stream, n=n)
+
+
+def _positive_lax_int(obj: dict[str, Any], key: str) -> int:
+    """`obj[key]` as vLLM's pydantic reads an `int | None = 1` field; 400 otherwise."""
+    value = obj.get(key)
+    if value is None:
+        return 1
+    number = lax_int(value)
+    if number is None:
+        raise bad_request(f"`{key}` must be an integer, got {value!r:.40}.", param=key)
+    if number < 1:
+        raise bad_request(f"`{key}` must be at least 1, got {number}.", param=key)
+    return number

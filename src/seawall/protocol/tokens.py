@@ -10,6 +10,23 @@ Must not: download anything, do I/O after construction, or read the clock. The c
 an up-front estimate for limits; the engine's reported `usage.prompt_tokens` is the truth,
 and the limits backend reconciles with it when the request ends.
 
+Every field that can reach the engine's prompt is counted, or the request is refused with
+a 400 naming it (issue 11, item 6: a text part whose `text` was a list was skipped, and
+3,816 prompt tokens passed a 200-token tier limit): text parts of every kind, media parts
+(a documented per-item charge), embeddings (by their size), every other message field and
+unknown part types (as their JSON text), `tools`, `functions`, `documents`, a client's
+`chat_template` and its kwargs, token-id prompts, and every prompt of a batch, with
+`suffix`. `count_request` also says how many sequences a request will produce (prompts
+x `n`), since a batch of 200 prompts returned 200 choices while admission counted one.
+
+Cost (issue 11, item 5): a 3.8 MB prompt took ~0.3 s to count on the event loop. Two
+defences live here: `max_prompt_bytes`, a byte bound derived from a tier's token limit
+that refuses before anything is counted, and `count_request_async`, which counts bodies
+above `INLINE_COUNT_MAX_BYTES` in a worker thread. (The estimator is pure Python regex
+work and holds the GIL, but the interpreter hands the GIL back every few milliseconds,
+so the event loop keeps running between slices instead of stalling for the whole count;
+the `tokenizers` library releases the GIL while it encodes.)
+
 Chat counts are approximate even with the real tokenizer: the chat template (role markers,
 system prompt defaults, tool schemas) is model-specific Jinja that we do not render. Each
 message is charged its text plus a fixed per-message overhead, and the reply a fixed
@@ -18,12 +35,20 @@ priming overhead, as OpenAI's own cookbook does for its models.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from seawall.errors import bad_request
+import orjson
+
+from seawall.errors import ApiError, bad_request
+from seawall.protocol.openai import ParsedRequest
 
 
 class TokenCounter(Protocol):
@@ -121,57 +146,178 @@ class EstimateCounter:
         return word_tokens + (ascii_chars - word_chars) + (non_ascii_bytes - non_ascii_chars)
 
 
-def count_completion_prompt(
-    prompt: str | list[str] | list[int] | list[list[int]], counter: TokenCounter
-) -> int:
-    """Prompt tokens of a `/v1/completions` request, summed over a batch of prompts.
+# ------------------------------------------------------------------- charges and bounds
 
-    Token-id prompts count exactly (the engine adds nothing to ids). Text prompts get the
-    tokenizer's special tokens once each, as vLLM adds them.
-    """
-    if isinstance(prompt, str):
-        return counter.prompt_overhead_tokens + counter.count_text(prompt)
-    if not isinstance(prompt, list):
-        raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
-    total = 0
-    for item in prompt:
-        if isinstance(item, str):
-            total += counter.prompt_overhead_tokens + counter.count_text(item)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            total += 1
-        elif isinstance(item, list):
-            total += len(item)
-        else:
-            raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
-    return total
+# Prompt tokens charged per media item, whose real cost only the engine's encoder knows
+# (it depends on resolution, duration and the model). Generous for fixed-size encoders
+# (LLaVA 576-2,880 per image, Whisper-style audio 750-1,500 per 30 s); dynamic-resolution
+# models can exceed them for very large items, and reconciliation with the engine's
+# usage corrects the rates afterwards.
+MEDIA_TOKENS: dict[str, int] = {"image": 2048, "audio": 1500, "video": 8192, "file": 8192}
+# Embeddings are one row per prompt token; no served LLM has rows narrower than 512
+# values of 2 bytes, so the decoded size / 1,024 bounds the rows from above.
+EMBED_BYTES_PER_TOKEN_FLOOR = 1024
+# The byte bound: a tier admitting L prompt tokens refuses bodies over L x this + the
+# allowance below, before counting. 10 covers every way a token can be spelt in JSON
+# that the estimator counts as one: 4 bytes of prose, a `\uXXXX` escape (6), an 8-digit
+# token id with its `, ` separator (10). A real tokenizer's rare long tokens (a run of
+# 16 spaces) could exceed it: a tier can set its own bound.
+PROMPT_BYTES_PER_TOKEN_CEILING = 10
+# Room in the body for everything that is not prompt: model, sampling parameters, stop
+# strings, a response_format schema, logit_bias.
+NON_PROMPT_ALLOWANCE_BYTES = 64 * 1024
+# Bodies up to this size are counted on the event loop (well under a millisecond);
+# larger ones in a worker thread.
+INLINE_COUNT_MAX_BYTES = 32 * 1024
+
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "image_pil": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "audio": "audio",
+    "video_url": "video",
+    "video": "video",
+    "file": "file",
+    "input_file": "file",
+}
+_EMBED_PARTS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds"})
+# Chat request fields a chat template may render into the prompt (vLLM 0.33).
+_CHAT_PROMPT_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 
 
-def _content_text(content: Any) -> list[str]:
-    """The text pieces of a message's content: a string, or a list of typed parts.
+def max_prompt_bytes(
+    max_prompt_tokens: int | None,
+    bytes_per_token: int = PROMPT_BYTES_PER_TOKEN_CEILING,
+    allowance_bytes: int = NON_PROMPT_ALLOWANCE_BYTES,
+) -> int | None:
+    """The largest body a tier with `max_prompt_tokens` can need (None: no bound)."""
+    if max_prompt_tokens is None:
+        return None
+    return max_prompt_tokens * bytes_per_token + allowance_bytes
 
-    Non-text parts (images, audio) are not counted: their token cost depends on the
-    model's encoder, which only the engine knows; the reconciliation with real usage
-    catches the difference.
-    """
+
+def check_prompt_bytes(body_bytes: int, limit_bytes: int | None) -> ApiError | None:
+    """A 413 for a body over the tier's byte bound, decided before any counting."""
+    if limit_bytes is None or body_bytes <= limit_bytes:
+        return None
+    return ApiError(
+        413,
+        f"The request body is {body_bytes} bytes; this tier's prompt limit allows at most "
+        f"{limit_bytes} bytes.",
+        code="prompt_too_large",
+    )
+
+
+# -------------------------------------------------------------------------- the count
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """What a request will cost the engine, before it is sent."""
+
+    per_prompt: tuple[int, ...]  # prompt tokens of each prompt (chat: one)
+    n: int  # choices per prompt
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Across the batch: what the engine reports as `usage.prompt_tokens`."""
+        return sum(self.per_prompt)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.per_prompt)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine will run, each needing KV and a batch slot."""
+        return len(self.per_prompt) * self.n
+
+    @property
+    def largest_prompt_tokens(self) -> int:
+        return max(self.per_prompt, default=0)
+
+    def max_completion_tokens(self, max_tokens: int) -> int:
+        """The most completion tokens the request can produce (each sequence's max)."""
+        return self.sequences * max_tokens
+
+    def kv_tokens(self, max_tokens: int, max_model_len: int | None = None) -> int:
+        """KV tokens the request may grow to: each of its sequences holds its prompt and
+        up to `max_tokens` (vLLM clamps each to `max_model_len`). Counts a prompt once
+        per choice, as without prefix caching; an upper bound with it."""
+        total = 0
+        for prompt in self.per_prompt:
+            need = prompt + max_tokens
+            if max_model_len is not None and max_model_len > 0:
+                need = min(need, max_model_len)
+            total += need * self.n
+        return total
+
+
+def _json_text(value: Any, param: str) -> str:
+    """A structured field as the JSON text a template's `tojson` would render."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        raise bad_request(f"`{param}` is nested too deeply or is not JSON.", param) from None
+
+
+def _embed_tokens(value: Any, param: str) -> int:
+    """Rows in base64-encoded embeddings (a string, or strings inside `value`)."""
+    text = value if isinstance(value, str) else _json_text(value, param)
+    decoded_bytes = len(text) * 3 // 4
+    return max(1, math.ceil(decoded_bytes / EMBED_BYTES_PER_TOKEN_FLOOR))
+
+
+def _part_tokens(part: Any, counter: TokenCounter) -> int:
+    if isinstance(part, str):
+        return counter.count_text(part)
+    if not isinstance(part, Mapping):
+        raise bad_request("Each content part must be an object or a string.", "messages")
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise bad_request("Each content part needs a string `type`.", "messages")
+    if kind in _TEXT_PARTS:
+        field = _TEXT_PARTS[kind]
+        text = part.get(field)
+        if not isinstance(text, str):
+            raise bad_request(f"A `{kind}` content part's `{field}` must be a string.", "messages")
+        return counter.count_text(text)
+    if kind in _MEDIA_PARTS:
+        return MEDIA_TOKENS[_MEDIA_PARTS[kind]]
+    if kind in _EMBED_PARTS:
+        payload = {k: v for k, v in part.items() if k != "type"}
+        return _embed_tokens(payload, "messages")
+    # A part type this gateway does not know: whatever it holds may be rendered.
+    return counter.count_text(_json_text(part, "messages"))
+
+
+def _content_tokens(content: Any, counter: TokenCounter) -> int:
     if content is None:
-        return []
+        return 0
     if isinstance(content, str):
-        return [content]
+        return counter.count_text(content)
     if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                text = part.get("text")
-                if isinstance(text, str):
-                    texts.append(text)
-            elif isinstance(part, str):
-                texts.append(part)
-        return texts
-    raise bad_request("message content must be a string or a list of parts", "messages")
+        return sum(_part_tokens(part, counter) for part in content)
+    raise bad_request("Message content must be a string or a list of parts.", "messages")
 
 
-def count_chat_prompt(messages: Sequence[Mapping[str, Any]], counter: TokenCounter) -> int:
-    """Prompt tokens of a `/v1/chat/completions` request (an estimate: see module doc)."""
+def count_chat_prompt(
+    messages: Sequence[Mapping[str, Any]],
+    counter: TokenCounter,
+    request: Mapping[str, Any] | None = None,
+) -> int:
+    """Prompt tokens of a `/v1/chat/completions` request (an estimate: see the module
+    doc). `request` adds the request-level fields a template renders (tools...)."""
     if not isinstance(messages, list | tuple):
         raise bad_request("messages must be a list", "messages")
     total = counter.reply_overhead_tokens
@@ -179,20 +325,115 @@ def count_chat_prompt(messages: Sequence[Mapping[str, Any]], counter: TokenCount
         if not isinstance(message, Mapping):
             raise bad_request("each message must be an object", "messages")
         total += counter.message_overhead_tokens
-        pieces = _content_text(message.get("content"))
-        for field in ("role", "name", "tool_call_id"):
-            value = message.get(field)
-            if isinstance(value, str):
-                pieces.append(value)
-        tool_calls = message.get("tool_calls")
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                function = call.get("function") if isinstance(call, Mapping) else None
-                if isinstance(function, Mapping):
-                    pieces.extend(
-                        v
-                        for v in (function.get("name"), function.get("arguments"))
-                        if isinstance(v, str)
-                    )
-        total += sum(counter.count_text(p) for p in pieces)
+        for key, value in message.items():
+            if key == "content":
+                total += _content_tokens(value, counter)
+            elif isinstance(value, str):
+                total += counter.count_text(value)  # role, name, tool_call_id, reasoning...
+            elif value is not None:
+                total += counter.count_text(_json_text(value, "messages"))  # tool_calls...
+    if request is not None:
+        for field in _CHAT_PROMPT_FIELDS:
+            value = request.get(field)
+            if value is not None:
+                total += counter.count_text(_json_text(value, field))
+        template = request.get("chat_template")
+        if template is not None:
+            if not isinstance(template, str):
+                raise bad_request("`chat_template` must be a string.", "chat_template")
+            total += counter.count_text(template)
     return total
+
+
+def _is_token_id(item: Any) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool) and item >= 0
+
+
+def completion_prompt_tokens(
+    prompt: Any, counter: TokenCounter, suffix: str | None = None
+) -> tuple[int, ...]:
+    """Prompt tokens of each prompt of a `/v1/completions` request, in the shapes vLLM
+    accepts (a string, token ids, or a list of either); 400 for any other shape.
+
+    Token-id prompts count exactly (the engine adds nothing to ids). Text prompts get the
+    tokenizer's special tokens once each, as vLLM adds them. `suffix` joins every prompt.
+    """
+    extra = counter.count_text(suffix) if suffix else 0
+    invalid = bad_request(
+        "`prompt` must be a string, a list of token ids, or a list of strings or of "
+        "token-id lists.",
+        "prompt",
+    )
+    if isinstance(prompt, str):
+        return (counter.prompt_overhead_tokens + counter.count_text(prompt) + extra,)
+    if not isinstance(prompt, list):
+        raise invalid
+    if not prompt or all(_is_token_id(t) for t in prompt):
+        return (len(prompt) + extra,)
+    if all(isinstance(p, str) for p in prompt):
+        return tuple(counter.prompt_overhead_tokens + counter.count_text(p) + extra for p in prompt)
+    if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        return tuple(len(p) + extra for p in prompt)
+    raise invalid
+
+
+def count_completion_prompt(
+    prompt: str | list[str] | list[int] | list[list[int]], counter: TokenCounter
+) -> int:
+    """Prompt tokens of a `/v1/completions` request, summed over a batch of prompts."""
+    return sum(completion_prompt_tokens(prompt, counter))
+
+
+def count_request(req: ParsedRequest, counter: TokenCounter) -> PromptCount:
+    """Everything `ParsedRequest` will cost in prompt tokens and sequences (400 for a
+    shape that would reach the engine uncounted)."""
+    obj = req.obj
+    if req.route == "chat":
+        return PromptCount((count_chat_prompt(obj["messages"], counter, obj),), req.n)
+    suffix = obj.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad_request("`suffix` must be a string.", "suffix")
+    per_prompt: tuple[int, ...] = ()
+    if obj.get("prompt") is not None:
+        per_prompt = completion_prompt_tokens(obj["prompt"], counter, suffix)
+    embeds = obj.get("prompt_embeds")
+    if embeds is not None:
+        if isinstance(embeds, str):
+            per_prompt += (_embed_tokens(embeds, "prompt_embeds"),)
+        elif isinstance(embeds, list) and all(isinstance(e, str) for e in embeds):
+            per_prompt += tuple(_embed_tokens(e, "prompt_embeds") for e in embeds)
+        else:
+            raise bad_request(
+                "`prompt_embeds` must be a base64 string or a list of them.", "prompt_embeds"
+            )
+    if not per_prompt:
+        raise bad_request("`prompt` is required.", "prompt")
+    return PromptCount(per_prompt, req.n)
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _default_executor() -> ThreadPoolExecutor:
+    """One worker for large counts: they queue behind each other (the tenant sending
+    them waits), never in front of the event loop."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seawall-count")
+        return _executor
+
+
+async def count_request_async(
+    req: ParsedRequest,
+    counter: TokenCounter,
+    *,
+    inline_max_bytes: int = INLINE_COUNT_MAX_BYTES,
+    executor: Executor | None = None,
+) -> PromptCount:
+    """`count_request`, off the event loop for bodies over `inline_max_bytes`."""
+    if len(req.raw) <= inline_max_bytes:
+        return count_request(req, counter)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor or _default_executor(), count_request, req, counter)

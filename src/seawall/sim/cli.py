@@ -23,6 +23,12 @@ Flags and defaults:
   --step-base-ms 10             fixed cost of a step
   --step-per-seq-ms 0.1         extra cost per sequence in the step
   --step-per-prefill-token-ms 0.05  extra cost per prefill token in the step
+  --grammar-per-node-us 2       structured output: each constrained sequence's grammar
+                                costs nodes x depth x this in every step it samples in
+                                (its schema's JSON nodes and nesting; `response_format`
+                                or `structured_outputs`); the batch's grammars overlap
+                                the forward pass, so a step takes the longer of the two;
+                                0 turns grammar cost off
   --compat                      also emit vllm:gpu_cache_usage_perc and
                                 vllm:time_per_output_token_seconds (pre-0.10 names)
   --enable-server-load-tracking GET /load counts in-flight requests (0 without, as vLLM)
@@ -71,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-base-ms", type=float, default=10.0)
     parser.add_argument("--step-per-seq-ms", type=float, default=0.1)
     parser.add_argument("--step-per-prefill-token-ms", type=float, default=0.05)
+    parser.add_argument("--grammar-per-node-us", type=float, default=2.0)
     parser.add_argument("--compat", action="store_true")
     parser.add_argument("--enable-server-load-tracking", action="store_true")
     parser.add_argument("--dcgm-gpus", type=int, default=1)
@@ -101,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     for name in ("max_model_len", "kv_blocks", "block_size", "max_num_seqs", "dcgm_gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.grammar_per_node_us < 0:
+        raise ValueError("--grammar-per-node-us must be >= 0")
     if args.max_num_batched_tokens < 1:
         raise ValueError("--max-num-batched-tokens must be >= 1")
     usable_tokens = (args.kv_blocks - 1) * args.block_size
@@ -138,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dcgm_gpus=args.dcgm_gpus,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        grammar_per_node_s=args.grammar_per_node_us / 1e6,
         enable_prefix_caching=args.enable_prefix_caching,
     )
 

@@ -35,7 +35,9 @@ TOKEN_BACKLOG_MESSAGE = (
     "The engine has reached its prefill token backlog limit. Please try again later or on a "
     "different instance."
 )
-INJECTED_ERROR_MESSAGE = "The server had an error while processing your request."
+# GenerationError's text: what a request-level engine failure (a KV-load failure, an
+# `errors` fault) gives, 500 before a response starts or as a stream's error event
+INJECTED_ERROR_MESSAGE = "Internal server error"
 
 
 def engine_dead_error() -> ApiError:
@@ -85,7 +87,7 @@ class Stream:
         self.pending: list[int] = []
         self.finish: FinishReason | None = None
         self.error: ApiError | None = None
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.stop_text_len: int | None = None
         self.text = ""  # kept only when there are stop strings to search
         self.first_scheduled_s: float | None = None
@@ -121,6 +123,22 @@ class Stream:
         taken = self.pending
         self.pending = []
         return taken
+
+
+async def wait_any(streams: list[Stream]) -> None:
+    """Wait until one of the streams has tokens or has ended (one waiter shared by all,
+    so a step that feeds several wakes the writer once)."""
+    if any(s.pending or s.finish is not None for s in streams):
+        return
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    for s in streams:
+        s.waiter = waiter
+    try:
+        await waiter
+    finally:
+        for s in streams:
+            if s.waiter is waiter:
+                s.waiter = None
 
 
 class Engine:
@@ -388,7 +406,8 @@ class Engine:
             else:
                 itl(now - (stream.last_token_s or now))
             stream.last_token_s = now
-            if stream.stop:
+            if stream.stop and request.stop_reason is None:
+                # a stop token is not part of the text (vLLM does not detokenize it)
                 self._check_stop(stream, token)
             if (
                 stream.fail_after_tokens is not None
@@ -450,6 +469,8 @@ class Engine:
         if stream is None:
             return
         stream.finish = reason
+        if request.stop_reason is not None and stream.stop_reason is None:
+            stream.stop_reason = request.stop_reason
         stream.wake()
         if not count:
             return

@@ -1,7 +1,9 @@
 """The emulator's HTTP shell: vLLM 0.33's OpenAI-compatible routes, bodies and errors.
 
-Owns: the aiohttp application, request validation with vLLM's error texts, response and
-SSE chunk shapes (pre-built byte templates, so a token costs a dict lookup and a join),
+Owns: the aiohttp application, the order in which a request is read, validated
+(`protocol`) and checked (`openai`) as vLLM's serving layer does, the response bodies and
+SSE streams of `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/tokenize` and
+`/detokenize` (keys as vLLM dumps them; tests/data/vllm/ holds vLLM's own answers),
 client-disconnect aborts, `/sim/*` fault and state routes, `/dcgm/metrics`, and the
 process lifecycle (late bind for load time, SIGTERM abort or drain, crash, watchdog exit).
 
@@ -30,8 +32,10 @@ from aiohttp import web
 from seawall import clock
 from seawall.errors import ApiError, bad_request
 from seawall.sim import faults as fl
+from seawall.sim import openai as oa
+from seawall.sim import protocol as p
 from seawall.sim import textgen
-from seawall.sim.engine import Engine, Stream
+from seawall.sim.engine import Engine, Stream, wait_any
 from seawall.sim.metrics import TEXT_CONTENT_TYPE, SimMetrics
 from seawall.sim.scheduler import (
     Scheduler,
@@ -40,7 +44,7 @@ from seawall.sim.scheduler import (
     StepCosts,
 )
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = oa.VLLM_VERSION
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
 
@@ -67,6 +71,7 @@ class SimConfig:
     enable_prefix_caching: bool = True
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    grammar_per_node_s: float = 0.000002
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -98,23 +103,6 @@ def _sse_error(error: ApiError) -> bytes:
     return b"data: " + json.dumps(error.body()).encode() + b"\n\n" + _DONE
 
 
-def _validation(message: str, param: str, value: object) -> ApiError:
-    return ApiError(400, f"{message} (parameter={param}, value={value})", param=param)
-
-
-@dataclass(slots=True)
-class _Parsed:
-    # (prompt ids, clamped max_tokens) per prompt: completions accept a batch
-    prompts: list[tuple[list[int], int]]
-    requested_max_tokens: int | None
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    keys: list[int]  # one per choice (n)
-    ignore_eos: bool
-    stop: tuple[str, ...]
-
-
 class SimServer:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
@@ -143,7 +131,11 @@ class SimServer:
         self.hostname = socket.gethostname()
         self._rng = random.Random(config.seed ^ 0x5EA)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._token_json: dict[int, bytes] = {}
+        # what vLLM hashes into its fingerprint: the serving configuration
+        self.fingerprint = oa.system_fingerprint(
+            f"{config.model}|{config.max_model_len}|{config.kv_blocks}|{config.block_size}|"
+            f"{config.max_num_seqs}|{config.max_num_batched_tokens}|{config.seed}"
+        )
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -164,6 +156,7 @@ class SimServer:
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/responses", self.responses)
         if self.config.enable_faults:
             r.add_post("/sim/fault", self.post_fault)
             r.add_get("/sim/state", self.get_state)
@@ -273,37 +266,43 @@ class SimServer:
         return response
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if "messages" in body:
-            ids = textgen.tokenize(self._render_chat(body))
+        req = p.validate_tokenize(await self._body(request))
+        self._check_model(req.model)
+        if isinstance(req, p.TokenizeChatRequest):
+            text = self._render_chat(
+                req.messages, req.add_generation_prompt, req.continue_final_message
+            )
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad_request("'prompt' must be a string", param="prompt")
-            ids = textgen.tokenize(prompt)
+            text = req.prompt
+        # vLLM's /tokenize has no context-length limit: it counts whatever it is given
+        ids = textgen.tokenize(text)
         return _json(
             {
                 "count": len(ids),
                 "max_model_len": self.config.max_model_len,
                 "tokens": ids,
-                "token_strs": None,
+                "token_strs": [textgen.token_bytes(t).decode("utf-8", errors="replace")
+                               for t in ids] if req.return_token_strs else None,
             }
-        )
+        )  # fmt: skip
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
-            raise bad_request("'tokens' must be a list of integers", param="tokens")
-        self._check_ids(tokens)
-        return _json({"prompt": textgen.detokenize(tokens)})
+        req = p.validate(p.DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        # vLLM's tokenizer decodes an id outside the vocabulary as nothing (a 200)
+        known = [t for t in req.tokens if textgen.is_valid_token(t)]
+        return _json({"prompt": textgen.detokenize(known)})
 
     # ------------------------------------------------------------------ faults and state
 
     async def post_fault(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        # the sim's own route: any content type, a JSON object
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "Invalid JSON body", type="Bad Request") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object", type="Bad Request")
         try:
             fault = fl.parse_fault(body)
         except fl.FaultError as e:
@@ -338,224 +337,309 @@ class SimServer:
 
     # ------------------------------------------------------------------ parsing
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> Any:
+        """The JSON body as vLLM's FastAPI routes read it (content type checked)."""
         raw = await request.read()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise ApiError(400, "Invalid JSON body", type="Bad Request") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object", type="Bad Request")
-        return body
+        return p.parse_json_body(raw, request.headers.get("Content-Type"))
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model:
             raise ApiError(
                 404,
                 f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
                 param="model",
+                type="NotFoundError",
             )
 
-    def _check_ids(self, ids: list[int]) -> None:
-        for t in ids:
-            if not textgen.is_valid_token(t):
-                raise bad_request(f"Token id {t} is out of vocabulary", param="prompt")
-
-    def _render_chat(self, body: dict[str, Any]) -> str:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list", param="messages")
-        continue_final = bool(body.get("continue_final_message", False))
-        add_generation_prompt = bool(body.get("add_generation_prompt", True))
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool
+    ) -> str:
         try:
             return textgen.render_chat(messages, add_generation_prompt, continue_final)
         except textgen.ChatTemplateError as e:
-            raise bad_request(str(e)) from None
+            raise p.value_error(str(e)) from None
 
-    def _parse_common(
+    def _new_gen(
         self,
-        body: dict[str, Any],
-        prompts: list[list[int]],
-        max_tokens_field: str,
-        default_max_tokens: int | None,
-    ) -> _Parsed:
-        limit = self.config.max_model_len
-        n = body.get("n")
-        n = 1 if n is None else n
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise bad_request(f"n must be at least 1, got {n}.", param="n")
-        for prompt_ids in prompts:
-            prompt_len = len(prompt_ids)
-            if prompt_len > limit:
-                raise _validation(
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"prompt contains {prompt_len} input tokens, which exceeds this limit even "
-                    "without any output tokens. Please reduce the length of the input prompt.",
-                    "input_tokens",
-                    prompt_len,
-                )
-        requested = body.get(max_tokens_field)
-        if requested is None and max_tokens_field == "max_completion_tokens":
-            requested = body.get("max_tokens")
-            max_tokens_field = "max_tokens"
-        if requested is None:
-            requested = default_max_tokens
-        if requested is not None:
-            if isinstance(requested, bool) or not isinstance(requested, int):
-                raise bad_request(f"'{max_tokens_field}' must be an integer", max_tokens_field)
-            if requested > limit:
-                raise _validation(
-                    f"{max_tokens_field}={requested} cannot be greater than "
-                    f"max_model_len={limit}. Please request fewer output tokens.",
-                    max_tokens_field,
-                    requested,
-                )
-        # vLLM's get_max_tokens: clamp silently to what the context leaves
-        clamped: list[tuple[list[int], int]] = []
-        for prompt_ids in prompts:
-            room = limit - len(prompt_ids)
-            max_tokens = room if requested is None else min(requested, room)
-            if max_tokens < 1:
-                raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-            clamped.append((prompt_ids, max_tokens))
-        temperature = body.get("temperature")
-        temperature = 1.0 if temperature is None else temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise bad_request("'temperature' must be a number", param="temperature")
-        if temperature < 0:
-            raise bad_request(
-                f"temperature must be non-negative, got {temperature}.", param="temperature"
-            )
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise bad_request("'seed' must be an integer", param="seed")
-        if temperature > 0 and seed is None:
-            seed = self._rng.getrandbits(63)  # unseeded sampling varies, as on a GPU
-        stop_raw = body.get("stop")
-        if stop_raw is None:
-            stop: tuple[str, ...] = ()
-        elif isinstance(stop_raw, str):
-            stop = (stop_raw,) if stop_raw else ()
-        elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-            stop = tuple(s for s in stop_raw if s)
-        else:
-            raise bad_request("'stop' must be a string or a list of strings", param="stop")
-        stream_options = body.get("stream_options") or {}
-        include_usage = bool(
-            isinstance(stream_options, dict) and stream_options.get("include_usage")
-        )
-        return _Parsed(
-            prompts=clamped,
-            continuous_usage=include_usage
-            and bool(
-                isinstance(stream_options, dict) and stream_options.get("continuous_usage_stats")
-            ),
-            requested_max_tokens=requested,
-            stream=bool(body.get("stream", False)),
+        prompts: list[oa.Prompt],
+        *,
+        sampling: oa.Sampling,
+        stream: bool | None,
+        stream_options: p.StreamOptions | None,
+        seed: int | None,
+        ignore_eos: bool,
+        stop: str | list[str] | None,
+        stop_token_ids: list[int] | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        echo: bool,
+        echo_only: bool,
+        return_token_ids: bool,
+        grammar_cost_s: float,
+        request_id: str,
+    ) -> oa.Gen:
+        # SamplingParams are built (and verified) per prompt, then the input processor
+        # checks the logprobs limits and the prompt's tokens: vLLM's order
+        for prompt in prompts:
+            oa.check_sampling(sampling, prompt.max_tokens)
+        oa.check_logprobs_limits(logprobs, prompt_logprobs)
+        for prompt in prompts:
+            oa.check_engine_prompt(prompt.ids)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        include_usage = bool(stream_options and stream_options.include_usage)
+        temperature = sampling.temperature
+        return oa.Gen(
+            prompts=prompts,
+            n=sampling.n,
+            stream=bool(stream),
             include_usage=include_usage,
-            # each choice samples with its own seed (seed + i), as vLLM's ParentRequest does
-            keys=[
-                textgen.sampling_key(
-                    self.config.seed, float(temperature), None if seed is None else seed + i
-                )
-                for i in range(n)
-            ],
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            stop=stop,
+            continuous_usage=include_usage
+            and bool(stream_options and stream_options.continuous_usage_stats),
+            temperature=1.0 if temperature is None else temperature,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            stop=tuple(s for s in stops if s),
+            stop_token_ids=frozenset(stop_token_ids or ()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            echo=echo,
+            echo_only=echo_only,
+            return_token_ids=return_token_ids,
+            grammar_cost_s=grammar_cost_s,
+            request_id=request_id,
         )
 
-    def _completion_prompts(self, body: dict[str, Any]) -> list[list[int]]:
-        """A string, token ids, or a batch of either (one choice group per prompt)."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return [textgen.tokenize(prompt)]
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return [self._checked_ids(prompt)]
-            if all(isinstance(p, str) for p in prompt):
-                return [textgen.tokenize(p) for p in prompt]
-            if all(
-                isinstance(p, list)
-                and p
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                for p in prompt
-            ):
-                return [self._checked_ids(p) for p in prompt]
-        raise bad_request(
-            "'prompt' must be a string, a list of token ids, or a list of either",
-            param="prompt",
+    @staticmethod
+    def _sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n: int) -> oa.Sampling:
+        return oa.Sampling(
+            n=n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            min_tokens=req.min_tokens,
         )
 
-    def _checked_ids(self, ids: list[int]) -> list[int]:
-        self._check_ids(ids)
-        return list(ids)
+    def _keys(self, gen: oa.Gen) -> list[int]:
+        seed = gen.seed
+        if gen.temperature > 0 and seed is None:
+            seed = self._rng.getrandbits(63)  # unseeded sampling varies, as on a GPU
+        # each choice samples with its own seed (seed + i), as vLLM's ParentRequest does
+        return [
+            textgen.sampling_key(
+                self.config.seed, gen.temperature, None if seed is None else seed + i
+            )
+            for i in range(gen.n)
+        ]
+
+    @staticmethod
+    def _base_request_id(request: web.Request, body_id: str | None) -> str:
+        """vLLM's `_base_request_id`: the X-Request-Id header, else the body's
+        `request_id` (whose default is a fresh `random_uuid()`, 16 hex digits)."""
+        header = request.headers.get("X-Request-Id")
+        if header is not None:
+            return header
+        return body_id if body_id is not None else oa.random_uuid()
 
     # ------------------------------------------------------------------ generation routes
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival_s = clock.monotonic()
-        body = await self._body(request)
-        self._check_model(body)
-        parsed = self._parse_common(body, self._completion_prompts(body), "max_tokens", 16)
-        request_id = "cmpl-" + self._base_request_id(request, body)
-        return await self._generate(request, parsed, request_id, arrival_s, chat=False)
+        req = p.validate(p.CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        if req.suffix is not None:
+            raise ApiError(
+                400,
+                "suffix is only supported for models with FIM completion rendering",
+                param="suffix",
+                type="BadRequestError",
+            )
+        if req.prompt == []:
+            raise p.vllm_error("You must pass at least one prompt", "prompt")
+        limit = self.config.max_model_len
+        oa.check_max_tokens_param("max_tokens", req.max_tokens, limit)
+        raw = req.prompt
+        texts: list[str | None]
+        if isinstance(raw, str):
+            texts = [raw]
+        elif raw and isinstance(raw[0], str):
+            texts = [str(x) for x in raw]
+        elif raw and isinstance(raw[0], list):
+            texts = [None] * len(raw)
+        else:
+            texts = [None]
+        prompts: list[oa.Prompt] = []
+        echo_only = bool(req.echo) and req.max_tokens == 0
+        for i, text in enumerate(texts):
+            if text is not None:
+                ids = oa.tokenize_checked(text, limit)
+            else:
+                ids = list(raw[i] if raw and isinstance(raw[0], list) else raw or [])  # type: ignore[arg-type]
+                oa.check_prompt_len(ids, limit)
+            max_tokens = oa.engine_max_tokens(limit, req.max_tokens, len(ids))
+            shown = "" if text is None or req.return_token_ids else text
+            prompts.append(oa.Prompt(ids, shown, 1 if echo_only else max_tokens))
+        gen = self._new_gen(
+            prompts,
+            sampling=self._sampling(req, req.n),
+            stream=req.stream,
+            stream_options=req.stream_options,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            logprobs=req.logprobs,
+            # echo asks for the prompt's logprobs too, as many as for the output
+            prompt_logprobs=req.prompt_logprobs
+            if req.prompt_logprobs is not None or not req.echo
+            else req.logprobs,
+            echo=bool(req.echo),
+            echo_only=echo_only,
+            return_token_ids=bool(req.return_token_ids),
+            grammar_cost_s=oa.grammar_cost(
+                req.response_format, req.structured_outputs, self.config.grammar_per_node_s
+            ),
+            request_id="cmpl-" + self._base_request_id(request, req.request_id),
+        )
+        return await self._generate(request, gen, arrival_s, "completion")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival_s = clock.monotonic()
-        body = await self._body(request)
-        self._check_model(body)
-        prompt_ids = textgen.tokenize(self._render_chat(body))
-        parsed = self._parse_common(body, [prompt_ids], "max_completion_tokens", None)
-        request_id = "chatcmpl-" + self._base_request_id(request, body)
-        return await self._generate(request, parsed, request_id, arrival_s, chat=True)
+        req = p.validate(p.ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        oa.check_tools(req.tool_choice if req.tools else None)
+        limit = self.config.max_model_len
+        requested: int | None
+        if req.max_completion_tokens is not None:
+            requested, name = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, name = req.max_tokens, "max_tokens"
+        oa.check_max_tokens_param(name, requested, limit)
+        if not req.messages:
+            raise p.value_error(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
+        text = self._render_chat(
+            req.messages, req.add_generation_prompt, req.continue_final_message
+        )
+        ids = oa.tokenize_checked(text, limit)
+        # chat's default is the rest of the context (completions' is 16)
+        max_tokens = oa.engine_max_tokens(limit, requested, len(ids))
+        top = req.top_logprobs if req.logprobs else None
+        gen = self._new_gen(
+            [oa.Prompt(ids, text, max_tokens)],
+            sampling=self._sampling(req, 1 if req.n is None else req.n),
+            stream=req.stream,
+            stream_options=req.stream_options,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            logprobs=top,
+            prompt_logprobs=req.prompt_logprobs
+            if req.prompt_logprobs is not None or not req.echo
+            else req.top_logprobs,
+            echo=False,
+            echo_only=False,
+            return_token_ids=bool(req.return_token_ids),
+            grammar_cost_s=oa.grammar_cost(
+                req.response_format, req.structured_outputs, self.config.grammar_per_node_s
+            ),
+            request_id="chatcmpl-" + self._base_request_id(request, req.request_id),
+        )
+        return await self._generate(request, gen, arrival_s, "chat")
 
-    @staticmethod
-    def _base_request_id(request: web.Request, body: dict[str, Any]) -> str:
-        """vLLM's `_base_request_id`: the X-Request-Id header, else the body's
-        `request_id`, else a random one."""
-        header = request.headers.get("X-Request-Id")
-        if header is not None:
-            return header
-        from_body = body.get("request_id")
-        return from_body if isinstance(from_body, str) and from_body else secrets.token_hex(16)
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = clock.monotonic()
+        req = p.validate(p.ResponsesRequest, await self._body(request))
+        self._check_model(req.model)
+        messages: list[dict[str, Any]] = []
+        if req.instructions is not None:
+            messages.append({"role": "system", "content": req.instructions})
+        if isinstance(req.input, str):
+            messages.append({"role": "user", "content": req.input})
+        else:
+            for item in req.input:
+                content = item.get("content")
+                if isinstance(content, list):  # input_text / output_text parts
+                    content = "".join(
+                        str(c.get("text", "")) for c in content if isinstance(c, dict)
+                    )
+                messages.append({"role": item.get("role", "user"), "content": content})
+        text = self._render_chat(messages, True, False)
+        limit = self.config.max_model_len
+        oa.check_max_tokens_param("max_output_tokens", req.max_output_tokens, limit)
+        ids = oa.tokenize_checked(text, limit)
+        max_tokens = oa.engine_max_tokens(limit, req.max_output_tokens, len(ids))
+        gen = self._new_gen(
+            [oa.Prompt(ids, text, max_tokens)],
+            sampling=oa.Sampling(temperature=req.temperature, top_p=req.top_p),
+            stream=req.stream,
+            stream_options=None,
+            seed=None,
+            ignore_eos=False,
+            stop=None,
+            stop_token_ids=None,
+            logprobs=None,
+            prompt_logprobs=None,
+            echo=False,
+            echo_only=False,
+            return_token_ids=False,
+            grammar_cost_s=0.0,
+            request_id=req.request_id or f"resp_{oa.random_uuid()}",
+        )
+        gen.extra = {"request": req, "max_output_tokens": max_tokens}
+        return await self._generate(request, gen, arrival_s, "responses")
 
     async def _generate(
-        self,
-        request: web.Request,
-        parsed: _Parsed,
-        request_id: str,
-        arrival_s: float,
-        chat: bool,
+        self, request: web.Request, gen: oa.Gen, arrival_s: float, kind: str
     ) -> web.StreamResponse:
-        # n > 1 fans out into one sequence per choice, as vLLM's ParentRequest does
+        # n > 1 fans out into one sequence per choice, as vLLM's ParentRequest does;
+        # choice index = prompt index * n + i, as vLLM numbers a batch
         streams: list[Stream] = []
+        keys = self._keys(gen)
         self.in_flight += 1
         try:
-            # choice index = prompt index * n + i, as vLLM numbers a batch
-            for prompt_ids, max_tokens in parsed.prompts:
-                for i, key in enumerate(parsed.keys):
+            for prompt in gen.prompts:
+                for i, key in enumerate(keys):
                     sim_request = SimRequest(
                         # the engine's own id: clients may reuse X-Request-Id, engines may not
                         request_id=self.engine.new_request_id("req"),
-                        prompt_ids=prompt_ids,
-                        max_tokens=max_tokens,
+                        prompt_ids=prompt.ids,
+                        max_tokens=prompt.max_tokens,
                         key=key,
-                        ignore_eos=parsed.ignore_eos,
+                        ignore_eos=gen.ignore_eos,
+                        stop_token_ids=gen.stop_token_ids,
+                        grammar_cost_s=gen.grammar_cost_s,
                     )
                     streams.append(
                         self.engine.submit(
                             sim_request,
                             arrival_s,
-                            parsed.stop,
-                            streaming=parsed.stream,
-                            params_n=len(parsed.keys) if i == 0 else None,
+                            gen.stop,
+                            streaming=gen.stream,
+                            params_n=gen.n if i == 0 else None,
                         )
                     )
             orca = self._orca_header(request)
-            if parsed.stream:
-                return await self._stream(request, streams, parsed, request_id, chat, orca)
-            response = await self._complete(streams, request_id, chat)
+            if gen.stream:
+                if kind == "responses":
+                    return await self._stream_responses(request, streams[0], gen)
+                return await self._stream(request, streams, gen, kind == "chat", orca)
+            for stream in streams:
+                while not stream.done:
+                    await stream.next_tokens()
+                if stream.error is not None:
+                    return _error_response(stream.error)
+            if kind == "responses":
+                return _json(self._responses_body(streams[0], gen, "final"))
+            body = (
+                self._chat_body(streams, gen) if kind == "chat" else self._cmpl_body(streams, gen)
+            )
+            response = _json(body)
             if orca is not None:
                 response.headers["endpoint-load-metrics"] = self._orca_header(request) or ""
             return response
@@ -577,250 +661,422 @@ class SimServer:
 
     # ------------------------------------------------------------------ bodies
 
-    def _output(self, stream: Stream) -> tuple[str, str | None]:
+    @staticmethod
+    def _output(stream: Stream) -> tuple[str, str | None]:
         """Final text and finish_reason; a stop string ends the text before itself."""
-        text = textgen.detokenize(stream.request.output_ids, skip_special=True)
+        ids = stream.request.output_ids
+        if isinstance(stream.stop_reason, int):
+            ids = ids[:-1]  # a stop token counts as output but is not in the text
+        text = textgen.detokenize(ids, skip_special=True)
         if stream.stop_text_len is not None:
             text = text[: stream.stop_text_len]
         reason = stream.finish.value if stream.finish is not None else None
         return text, reason
 
-    @staticmethod
-    def _usage(streams: list[Stream]) -> dict[str, int]:
-        # a prompt counts once however many choices it has
-        prompt = sum(s.num_prompt_tokens for s in streams if s.params_n is not None)
-        completion = sum(s.num_output_tokens for s in streams)
-        return {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + completion,
-            "completion_tokens": completion,
-        }
+    def _prompt_of(self, gen: oa.Gen, index: int) -> oa.Prompt:
+        return gen.prompts[index // gen.n]
 
-    async def _complete(self, streams: list[Stream], request_id: str, chat: bool) -> web.Response:
-        for stream in streams:
-            while not stream.done:
-                await stream.next_tokens()
-            if stream.error is not None:
-                return _error_response(stream.error)
-        usage: dict[str, Any] = {**self._usage(streams), "prompt_tokens_details": None}
-        created = int(clock.wall())
+    @staticmethod
+    def _prompt_tokens(streams: list[Stream]) -> int:
+        # a prompt counts once however many choices it has
+        return sum(s.num_prompt_tokens for s in streams if s.params_n is not None)
+
+    def _cmpl_body(self, streams: list[Stream], gen: oa.Gen) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for index, stream in enumerate(streams):
+            prompt = self._prompt_of(gen, index)
+            out_ids = list(stream.request.output_ids)
             text, reason = self._output(stream)
-            if chat:
-                choices.append(
-                    {
-                        "index": index,
-                        "message": {
-                            "role": "assistant",
-                            "content": text,
-                            "refusal": None,
-                            "annotations": None,
-                            "audio": None,
-                            "function_call": None,
-                            "reasoning": None,
-                        },
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "stop_reason": stream.stop_reason,
-                        "token_ids": None,
-                        "routed_experts": None,
-                        "weight_versions": None,
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "stop_reason": stream.stop_reason,
-                        "token_ids": None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": None,
-                        "routed_experts": None,
-                        "weight_versions": None,
-                    }
-                )
-        if chat:
-            return _json(
+            tokens = out_ids
+            if gen.echo:
+                text = prompt.text if gen.echo_only else prompt.text + text
+                tokens = prompt.ids if gen.echo_only else prompt.ids + out_ids
+            logprobs = None
+            if gen.logprobs is not None:
+                logprobs = oa.completion_logprobs(tokens, gen.logprobs, 0, prompt_first=gen.echo)
+            choices.append(
                 {
-                    "id": request_id,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": self.config.model,
-                    "choices": choices,
-                    "service_tier": None,
-                    "system_fingerprint": None,
-                    "usage": {**usage, "completion_tokens_details": None},
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": None,
-                    "prompt_text": None,
-                    "kv_transfer_params": None,
-                    "ec_transfer_params": None,
-                    "metrics": None,
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": stream.stop_reason,
+                    "token_ids": out_ids if gen.return_token_ids else None,
+                    "prompt_logprobs": None
+                    if gen.prompt_logprobs is None
+                    else oa.prompt_logprobs(prompt.ids, gen.prompt_logprobs),
+                    "prompt_token_ids": prompt.ids if gen.return_token_ids else None,
+                    "routed_experts": None,
+                    "weight_versions": None,
                 }
             )
-        return _json(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.config.model,
-                "choices": choices,
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": usage,
-                "kv_transfer_params": None,
-            }
-        )
+        prompt_tokens = self._prompt_tokens(streams)
+        return {
+            "id": gen.request_id,
+            "object": "text_completion",
+            "created": int(clock.wall()),
+            "model": self.config.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": oa.usage(prompt_tokens, sum(s.num_output_tokens for s in streams)),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
 
-    def _text_json(self, token: int) -> bytes:
-        cached = self._token_json.get(token)
-        if cached is None:
-            cached = orjson.dumps(textgen.token_text(token))
-            if len(self._token_json) < 1_000_000:
-                self._token_json[token] = cached
-        return cached
+    def _chat_body(self, streams: list[Stream], gen: oa.Gen) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for index, stream in enumerate(streams):
+            out_ids = list(stream.request.output_ids)
+            text, reason = self._output(stream)
+            choices.append(
+                {
+                    "index": index,
+                    "message": {
+                        "role": "assistant",
+                        "content": text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "reasoning": None,
+                    },
+                    "logprobs": None
+                    if gen.logprobs is None
+                    else oa.chat_logprobs(out_ids, gen.logprobs),
+                    "finish_reason": reason,
+                    "stop_reason": stream.stop_reason,
+                    "token_ids": out_ids if gen.return_token_ids else None,
+                    "routed_experts": None,
+                    "weight_versions": None,
+                }
+            )
+        prompt = gen.prompts[0]
+        prompt_tokens = self._prompt_tokens(streams)
+        return {
+            "id": gen.request_id,
+            "object": "chat.completion",
+            "created": int(clock.wall()),
+            "model": self.config.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": oa.usage(prompt_tokens, sum(s.num_output_tokens for s in streams)),
+            "prompt_logprobs": None
+            if gen.prompt_logprobs is None
+            else oa.prompt_logprobs(prompt.ids, gen.prompt_logprobs),
+            "prompt_token_ids": prompt.ids if gen.return_token_ids else None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    def _responses_body(self, stream: Stream, gen: oa.Gen, phase: str) -> dict[str, Any]:
+        """`ResponsesResponse.model_dump()`; phase "created" is the stream's opening copy
+        (no output, no usage), "final" the finished response."""
+        req: p.ResponsesRequest = gen.extra["request"]
+        output: list[dict[str, Any]] = []
+        usage: dict[str, Any] | None = None
+        status = "in_progress"
+        incomplete = None
+        if phase == "final":
+            text, reason = self._output(stream)
+            status = "incomplete" if reason == "length" else "completed"
+            if reason == "length":
+                incomplete = {"reason": "max_output_tokens"}
+            output = [self._responses_message(gen, text, status)]
+            prompt_tokens = stream.num_prompt_tokens
+            completion = stream.num_output_tokens
+            usage = {
+                "input_tokens": prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                         "input_tokens_per_turn": [],
+                                         "cached_tokens_per_turn": []},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                          "output_tokens_per_turn": [],
+                                          "tool_output_tokens_per_turn": []},
+                "total_tokens": prompt_tokens + completion,
+            }  # fmt: skip
+        return {
+            "id": gen.request_id,
+            "created_at": gen.extra.setdefault("created_at", int(clock.wall())),
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "metadata": req.metadata,
+            "model": self.config.model,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "tool_choice": req.tool_choice,
+            "tools": req.tools,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "background": False,
+            "max_output_tokens": gen.extra["max_output_tokens"],
+            "max_tool_calls": None,
+            "previous_response_id": req.previous_response_id,
+            "prompt": None,
+            "prompt_cache_options": None,
+            "prompt_cache_key": None,
+            "prompt_cache_retention": None,
+            "reasoning": req.reasoning,
+            "safety_identifier": None,
+            "service_tier": req.service_tier,
+            "status": status,
+            "text": req.text,
+            "top_logprobs": None,
+            "truncation": req.truncation,
+            "usage": usage,
+            "user": req.user,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
+        }
+
+    @staticmethod
+    def _responses_message(gen: oa.Gen, text: str, status: str) -> dict[str, Any]:
+        item_id = gen.extra.setdefault("item_id", f"msg_{oa.random_uuid()}")
+        return {
+            "id": item_id,
+            "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+            "phase": None,
+        }
+
+    # ------------------------------------------------------------------ streams
 
     async def _stream(
         self,
         request: web.Request,
         streams: list[Stream],
-        parsed: _Parsed,
-        request_id: str,
+        gen: oa.Gen,
         chat: bool,
         orca: str | None = None,
     ) -> web.StreamResponse:
-        prefix = (
-            b'data: {"id":' + orjson.dumps(request_id) + b',"object":"'
-            + (b"chat.completion.chunk" if chat else b"text_completion")
-            + b'","created":' + str(int(clock.wall())).encode()
-            + b',"model":' + orjson.dumps(self.config.model) + b","
-        )  # fmt: skip
+        """vLLM's stream generators: one chunk per engine output of a choice (held-back
+        stop-string text makes it an empty one), chat's role chunks for every choice on the
+        first output, the usage chunk (if asked) and `[DONE]`."""
         headers = SSE_HEADERS if orca is None else {**SSE_HEADERS, "endpoint-load-metrics": orca}
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
-        if len(streams) == 1:
-            error = await self._pump(response, streams[0], 0, prefix, parsed, chat)
-        else:
-            pumps = [
-                asyncio.ensure_future(self._pump(response, s, i, prefix, parsed, chat))
-                for i, s in enumerate(streams)
-            ]
-            try:
-                errors = await asyncio.gather(*pumps)
-            finally:
-                for pump in pumps:
-                    pump.cancel()
-            error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            await response.write(_sse_error(error))
-            return response
+        head = {
+            "id": gen.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(clock.wall()),
+            "model": self.config.model,
+        }
+        n = len(streams)
+        sent_chars = [0] * n
+        num_tokens = [0] * n
+        first_out = [True] * n
+        done = [False] * n
+        text_offsets = [0] * n
+        role_sent = not chat
+        hold = max((len(x) for x in gen.stop), default=1) - 1
+        dumps = orjson.dumps
+        while not all(done):
+            await wait_any([s for s, d in zip(streams, done, strict=True) if not d])
+            out: list[bytes] = []
+            for i, stream in enumerate(streams):
+                if done[i]:
+                    continue
+                tokens = stream.pending
+                stream.pending = []
+                finish = stream.finish
+                error = stream.error if finish is not None else None
+                failed = error is not None
+                if failed:
+                    # what it produced before failing is sent, then vLLM's error event
+                    finish = None
+                if not tokens and finish is None and not failed:
+                    continue
+                if not role_sent and (tokens or finish is not None):
+                    role_sent = True
+                    for j in range(n):
+                        chunk: dict[str, Any] = {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": j,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                        if gen.continuous_usage:
+                            chunk["usage"] = {
+                                **oa.usage(streams[j].num_prompt_tokens, 0, full=False),
+                                "completion_tokens_details": None,
+                            }
+                        chunk["prompt_token_ids"] = (
+                            gen.prompts[0].ids if gen.return_token_ids else None
+                        )
+                        chunk["prompt_text"] = None
+                        out.append(b"data: " + dumps(chunk) + b"\n\n")
+                # the text these tokens add, less what may start a stop string
+                if gen.stop:
+                    text = stream.text
+                    if stream.stop_text_len is not None:
+                        text = text[: stream.stop_text_len]
+                    elif finish is None:
+                        text = text[: max(sent_chars[i], len(text) - hold)]
+                    delta = text[sent_chars[i] :]
+                    sent_chars[i] = len(text)
+                else:
+                    shown = tokens
+                    if finish is not None and isinstance(stream.stop_reason, int):
+                        shown = tokens[:-1]  # the stop token: counted, not detokenized
+                    delta = "".join(textgen.token_text(t) for t in shown)
+                num_tokens[i] += len(tokens)
+                prompt = self._prompt_of(gen, i)
+                echo_now = gen.echo and first_out[i]
+                choice: dict[str, Any] = {"index": i}
+                if chat:
+                    choice["delta"] = {"content": delta}
+                    choice["logprobs"] = (
+                        None if gen.logprobs is None else oa.chat_logprobs(tokens, gen.logprobs)
+                    )
+                else:
+                    lp_tokens = tokens
+                    if echo_now:
+                        delta = prompt.text if gen.echo_only else prompt.text + delta
+                        lp_tokens = prompt.ids if gen.echo_only else prompt.ids + tokens
+                    choice["text"] = delta
+                    logprobs = None
+                    if gen.logprobs is not None:
+                        logprobs = oa.completion_logprobs(
+                            lp_tokens, gen.logprobs, text_offsets[i], prompt_first=echo_now
+                        )
+                        if logprobs["tokens"]:
+                            text_offsets[i] = logprobs["text_offset"][-1] + len(
+                                logprobs["tokens"][-1]
+                            )
+                    choice["logprobs"] = logprobs
+                choice["finish_reason"] = None if finish is None else finish.value
+                if not chat or finish is not None:
+                    choice["stop_reason"] = None if finish is None else stream.stop_reason
+                if not chat:
+                    choice["prompt_token_ids"] = (
+                        prompt.ids if first_out[i] and (gen.echo or gen.return_token_ids) else None
+                    )
+                choice["token_ids"] = list(tokens) if gen.return_token_ids else None
+                if not chat or finish is not None:
+                    choice["weight_versions"] = None
+                first_out[i] = False
+                chunk = {**head, "choices": [choice]}
+                if gen.continuous_usage:
+                    chunk["usage"] = oa.usage(stream.num_prompt_tokens, num_tokens[i], full=False)
+                    if chat:
+                        chunk["usage"]["completion_tokens_details"] = None
+                if finish is not None and not gen.include_usage:
+                    # on the terminal chunk only when no usage chunk follows
+                    chunk["system_fingerprint"] = self.fingerprint
+                chunk["kv_transfer_params"] = None
+                if tokens or finish is not None:
+                    out.append(b"data: " + dumps(chunk) + b"\n\n")
+                if error is not None:
+                    await response.write(b"".join(out) + _sse_error(error))
+                    return response
+                if finish is not None:
+                    done[i] = True
+            if out:
+                await response.write(b"".join(out))
         tail = b""
-        if parsed.include_usage:
-            tail = prefix + b'"choices":[],"usage":' + orjson.dumps(self._usage(streams)) + b"}\n\n"
+        if gen.include_usage:
+            usage_chunk: dict[str, Any] = {
+                **head,
+                "choices": [],
+                "usage": oa.usage(
+                    self._prompt_tokens(streams),
+                    sum(s.num_output_tokens for s in streams),
+                    full=False,
+                ),
+                "system_fingerprint": self.fingerprint,
+            }
+            tail = b"data: " + dumps(usage_chunk) + b"\n\n"
         await response.write(tail + _DONE)
         await response.write_eof()
         return response
 
-    async def _pump(
-        self,
-        response: web.StreamResponse,
-        stream: Stream,
-        index: int,
-        prefix: bytes,
-        parsed: _Parsed,
-        chat: bool,
-    ) -> ApiError | None:
-        """Write one choice's chunks up to and including its final chunk; the error that
-        ended it, if one did (the caller writes the error event)."""
-        head = prefix + b'"choices":[{"index":' + str(index).encode() + b","
-        if chat:
-            open_text = b'"delta":{"content":'
-            mid_text = b'},"logprobs":null,"finish_reason":'
-            tail_open = b',"token_ids":null}],"kv_transfer_params":null}\n\n'
-            tail_final = (
-                b',"stop_reason":%s,"token_ids":null,"weight_versions":null}],'
-                b'"kv_transfer_params":null}\n\n'
-            )
-        else:
-            open_text = b'"text":'
-            mid_text = b',"logprobs":null,"finish_reason":'
-            tail_open = (
-                b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null,'
-                b'"weight_versions":null}],"kv_transfer_params":null}\n\n'
-            )
-            tail_final = (
-                b',"stop_reason":%s,"prompt_token_ids":null,"token_ids":null,'
-                b'"weight_versions":null}],"kv_transfer_params":null}\n\n'
-            )
-        # vLLM sends the role chunk with the first engine output, not before: a client
-        # timing its first chunk measures the real time to first token
-        role_chunk = (
-            head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
-            b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
-            if chat
-            else b""
+    async def _stream_responses(
+        self, request: web.Request, stream: Stream, gen: oa.Gen
+    ) -> web.StreamResponse:
+        """vLLM's Responses event stream (`event:` lines, no `[DONE]`)."""
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(request)
+        seq = 0
+
+        def event(kind: str, body: dict[str, Any]) -> bytes:
+            nonlocal seq
+            data = {**body, "sequence_number": seq, "type": kind}
+            seq += 1
+            return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+        opening = self._responses_body(stream, gen, "created")
+        item = self._responses_message(gen, "", "in_progress")
+        item_id = item["id"]
+        await response.write(
+            event("response.created", {"response": opening})
+            + event("response.in_progress", {"response": opening})
         )
-        text_json = self._text_json
-        slow_path = bool(parsed.stop)
-        continuous = parsed.continuous_usage
-        hold_chars = max((len(x) for x in parsed.stop), default=1) - 1
-        sent_chars = 0
+        started = False
+        sent_text = ""
         while True:
             tokens = await stream.next_tokens()
             finish = stream.finish
-            out = role_chunk
-            role_chunk = b""
             if stream.error is not None and finish is not None:
-                if tokens and not slow_path:
-                    piece = self._join_tokens(tokens, text_json)
-                    out += head + open_text + piece + mid_text + b"null" + tail_open
+                await response.write(_sse_error(stream.error))
+                return response
+            out = b""
+            if not started and (tokens or finish is not None):
+                started = True
+                out += event(
+                    "response.output_item.added",
+                    {"item": {**item, "content": []}, "output_index": 0},
+                )
+                out += event("response.content_part.added", {
+                    "content_index": 0, "item_id": item_id, "output_index": 0,
+                    "part": {"annotations": [], "text": "", "type": "output_text",
+                             "logprobs": []}})  # fmt: skip
+            for token in tokens:
+                piece = textgen.token_text(token)
+                if not piece:
+                    continue
+                sent_text += piece
+                out += event("response.output_text.delta", {
+                    "content_index": 0, "delta": piece, "item_id": item_id,
+                    "logprobs": [], "output_index": 0})  # fmt: skip
+            if finish is None:
                 if out:
                     await response.write(out)
-                return stream.error
-            if slow_path:
-                text = stream.text
-                if stream.stop_text_len is not None:
-                    text = text[: stream.stop_text_len]
-                elif finish is None:
-                    # hold back what may be the start of a stop string, as vLLM does
-                    text = text[: max(sent_chars, len(text) - hold_chars)]
-                piece = orjson.dumps(text[sent_chars:])
-                sent_chars = len(text)
-            elif tokens:
-                piece = self._join_tokens(tokens, text_json)
-            else:
-                piece = b'""'
-            if finish is None:
-                if piece != b'""':
-                    out += head + open_text + piece + mid_text + b"null" + tail_open
-                if out:
-                    await response.write(self._with_usage(out, stream) if continuous else out)
                 continue
-            stop_reason = orjson.dumps(stream.stop_reason)
-            out += (
-                head + open_text + piece + mid_text + b'"' + finish.value.encode() + b'"'
-                + tail_final % stop_reason
-            )  # fmt: skip
-            await response.write(self._with_usage(out, stream) if continuous else out)
-            return None
-
-    def _with_usage(self, chunks: bytes, stream: Stream) -> bytes:
-        """`stream_options.continuous_usage_stats`: usage so far in every content chunk."""
-        usage = self._usage([stream])
-        return chunks.replace(
-            b'}],"kv_transfer_params"',
-            b'}],"usage":' + orjson.dumps(usage) + b',"kv_transfer_params"',
-        )
-
-    @staticmethod
-    def _join_tokens(tokens: list[int], text_json: Callable[[int], bytes]) -> bytes:
-        if len(tokens) == 1:
-            return text_json(tokens[0])
-        return orjson.dumps("".join(textgen.token_text(t) for t in tokens))
+            final = self._responses_body(stream, gen, "final")
+            message = final["output"][0]
+            text = message["content"][0]["text"]
+            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            out += event("response.output_text.done", {
+                "content_index": 0, "item_id": item_id, "logprobs": [], "output_index": 0,
+                "text": text})  # fmt: skip
+            out += event("response.content_part.done",
+                         {"content_index": 0, "item_id": item_id, "output_index": 0,
+                          "part": part})  # fmt: skip
+            out += event("response.output_item.done", {"item": message, "output_index": 0})
+            kind = (
+                "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            )
+            out += event(kind, {"response": final})
+            await response.write(out)
+            await response.write_eof()
+            return response
 
     # ------------------------------------------------------------------ lifecycle
 

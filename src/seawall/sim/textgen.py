@@ -67,6 +67,7 @@ _PIECE_TO_ID: dict[str, int] = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
 for _i, _p in enumerate(_WORD_PIECES):
     _PIECE_TO_ID[_p] = WORD_BASE + _i
 _WORD_IDS: tuple[int, ...] = tuple(WORD_BASE + i for i in range(len(WORDS)))
+WORD_IDS = _WORD_IDS
 _COMMA_ID = _CHUNK1 + ord(",")
 _PERIOD_ID = _CHUNK1 + ord(".")
 

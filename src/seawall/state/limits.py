@@ -21,8 +21,16 @@ Shapes, for both backends:
   the difference with the engine's real `usage.prompt_tokens`, so estimates never drift.
 - Retry-After for a rate limit is exact: the time until this request's amount will have
   refilled. A concurrency slot has no refill to compute from, so its Retry-After is the
-  median duration of the tenant's recent requests (a slot typically frees within one
-  request's duration), or 1 s before any request has finished.
+  soonest any held lease is expected to end (`concurrency_retry_after_s`): a lease
+  younger than the tenant's median recent duration when it reaches that age, an older
+  one (it has outlived what we know) after as long again as it has run, and none later
+  than its expiry. Before, a slot held by a lost lease was advertised as freeing in 1 s
+  for the ten minutes until it expired.
+- `acquire` takes the caller's `lease_id` and is idempotent on it; `cancel` gives back
+  an acquire whose answer the caller never got (a timeout, a client that left): a
+  granted lease is freed and its charges refunded, and an acquire that arrives after its
+  cancel is never granted. A shared backend can then recover every slot it may have
+  granted behind the caller's back.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 import statistics
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -48,6 +57,14 @@ DEFAULT_CONCURRENCY_RETRY_S = 1.0
 WAIT_MARGIN_S = 1e-5
 # How many finished requests per tenant the concurrency Retry-After estimate looks at.
 RECENT_DURATIONS = 64
+# How many held leases (the longest held) the concurrency Retry-After looks at; bounds
+# the Redis script's reply for tenants with a large concurrency limit.
+RETRY_AFTER_LEASES = 256
+
+
+def new_lease_id() -> str:
+    """A lease id for `acquire`: the caller keeps it to cancel an unanswered acquire."""
+    return "r" + uuid.uuid4().hex
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +106,21 @@ class LimitsBackend(Protocol):
     degraded: bool
 
     async def acquire(
-        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
-    ) -> Lease | Denied: ...
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        prompt_tokens: int,
+        now: float,
+        lease_id: str | None = None,
+    ) -> Lease | Denied:
+        """All-or-nothing admission. With `lease_id` (from `new_lease_id`), repeating
+        the call returns the same grant without charging again."""
+        ...
+
+    async def cancel(self, tenant: str, lease_id: str, now: float) -> None:
+        """Undo an acquire whose answer never reached the caller: free its slot and
+        refund its charges if it was granted, and never grant it if it arrives later."""
+        ...
 
     async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
         """Free the lease's slot; with `actual_prompt_tokens` (the engine's usage), charge or
@@ -174,10 +204,39 @@ class RecentDurations:
     def add(self, duration_s: float) -> None:
         self._durations_s.append(max(0.0, duration_s))
 
+    def typical_s(self) -> float | None:
+        """The median recent duration; None before any request has finished."""
+        return statistics.median(self._durations_s) if self._durations_s else None
+
     def retry_after_s(self) -> float:
-        if not self._durations_s:
-            return DEFAULT_CONCURRENCY_RETRY_S
-        return statistics.median(self._durations_s)
+        typical = self.typical_s()
+        return DEFAULT_CONCURRENCY_RETRY_S if typical is None else typical
+
+
+def concurrency_retry_after_s(
+    held: Sequence[tuple[float, float]], typical_s: float | None, now: float
+) -> float:
+    """Seconds until a concurrency slot is expected to free, from the held leases'
+    `(acquired_at, expires_at)` and the tenant's typical request duration (None if
+    unknown). Pure; both backends call it with the same numbers.
+
+    Per lease: younger than typical -> it ends when it reaches that age; otherwise it
+    has outlived the estimate, and a request that has run `age` seconds is, with nothing
+    better known, expected to run about as long again (at least 1 s), so repeated
+    refusals back off geometrically instead of promising 1 s for ever; never later than
+    its expiry, when even a lost lease frees. The slot frees at the soonest of these.
+    """
+    if not held:
+        return DEFAULT_CONCURRENCY_RETRY_S
+    soonest = math.inf
+    for acquired_at, expires_at in held:
+        age_s = max(0.0, now - acquired_at)
+        if typical_s is not None and age_s < typical_s:
+            expected_s = typical_s - age_s
+        else:
+            expected_s = max(age_s, DEFAULT_CONCURRENCY_RETRY_S)
+        soonest = min(soonest, expected_s, max(0.0, expires_at - now))
+    return soonest
 
 
 def _resized(bucket: TokenBucket | None, per_min: float | None, now: float) -> TokenBucket | None:
@@ -200,6 +259,8 @@ class _TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     leases: dict[str, float] = field(default_factory=dict)  # lease id -> acquired at
+    granted: dict[str, Lease] = field(default_factory=dict)  # lease id -> its grant
+    cancelled: dict[str, float] = field(default_factory=dict)  # lease id -> cancelled at
     durations: RecentDurations = field(default_factory=RecentDurations)
 
 
@@ -238,6 +299,7 @@ class MemoryLimits:
         ttl_s = self._lease_ttl_s
         for lease_id in [k for k, at in state.leases.items() if at + ttl_s <= now]:
             del state.leases[lease_id]
+            state.granted.pop(lease_id, None)
 
     def holds(self, lease: Lease) -> bool:
         """True if this backend granted `lease` and it has not been released."""
@@ -248,12 +310,33 @@ class MemoryLimits:
         state = self._tenants.get(tenant)
         return 0 if state is None else len(state.leases)
 
+    def _held(self, state: _TenantState) -> list[tuple[float, float]]:
+        """(acquired_at, expires_at) of the longest-held leases, as the Redis script
+        reads them (expiry = acquired + ttl, and back), so both compute alike."""
+        ttl_s = self._lease_ttl_s
+        oldest = sorted(state.leases.values())[:RETRY_AFTER_LEASES]
+        if ttl_s is None:
+            return [(at, math.inf) for at in oldest]
+        return [((at + ttl_s) - ttl_s, at + ttl_s) for at in oldest]
+
     async def acquire(
-        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        prompt_tokens: int,
+        now: float,
+        lease_id: str | None = None,
     ) -> Lease | Denied:
         if prompt_tokens < 0:
             raise ValueError("prompt_tokens must be >= 0")
         state = self._state(tenant, limits, now)
+        if lease_id is not None:
+            self._forget_cancelled(state, now)
+            if lease_id in state.cancelled:
+                return Denied("backend_unavailable", 0.0, "This request was cancelled.")
+            earlier = state.granted.get(lease_id)
+            if earlier is not None and lease_id in state.leases:
+                return earlier  # a retried acquire: the same grant, charged once
         requests, tokens = state.requests, state.tokens
         requests_wait = (
             0.0
@@ -272,20 +355,47 @@ class MemoryLimits:
             if len(state.leases) >= limits.max_concurrent:
                 self._expire_leases(state, now)
             if len(state.leases) >= limits.max_concurrent:
-                return denial("max_concurrent", state.durations.retry_after_s(), limits, 0)
+                retry_after_s = concurrency_retry_after_s(
+                    self._held(state), state.durations.typical_s(), now
+                )
+                return denial("max_concurrent", retry_after_s, limits, 0)
         # Every check passed at this same `now`, so these takes cannot fail.
         if requests is not None:
             requests.try_take(1, now)
         if tokens is not None:
             tokens.try_take(prompt_tokens, now)
-        lease_id = uuid.uuid4().hex
+        lease_id = lease_id or uuid.uuid4().hex
         state.leases[lease_id] = now
-        return Lease(tenant, lease_id, prompt_tokens if tokens is not None else 0)
+        lease = Lease(tenant, lease_id, prompt_tokens if tokens is not None else 0)
+        state.granted[lease_id] = lease
+        return lease
+
+    def _forget_cancelled(self, state: _TenantState, now: float) -> None:
+        # A cancel only has to outlive the acquire it races; a lease's TTL is plenty.
+        keep_s = self._lease_ttl_s if self._lease_ttl_s is not None else 3600.0
+        for lease_id in [k for k, at in state.cancelled.items() if at + keep_s <= now]:
+            del state.cancelled[lease_id]
+
+    async def cancel(self, tenant: str, lease_id: str, now: float) -> None:
+        state = self._tenants.get(tenant)
+        if state is None:
+            return
+        self._forget_cancelled(state, now)
+        state.cancelled[lease_id] = now
+        lease = state.granted.pop(lease_id, None)
+        if state.leases.pop(lease_id, None) is None or lease is None:
+            return
+        # Granted behind the caller's back: give back what it took.
+        if state.requests is not None:
+            state.requests.refund(1, now)
+        if state.tokens is not None and lease.charged_prompt_tokens:
+            state.tokens.refund(lease.charged_prompt_tokens, now)
 
     async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
         state = self._tenants.get(lease.tenant)
         if state is None:
             return
+        state.granted.pop(lease.lease_id, None)
         acquired_at = state.leases.pop(lease.lease_id, None)
         if acquired_at is None:
             return  # released twice, or expired: never reconcile twice

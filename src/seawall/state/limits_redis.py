@@ -6,8 +6,9 @@ reconcile the token charge) is another: one round trip each, atomic on the serve
 gateway processes never race each other. Also owns what happens when Redis is
 unreachable (`fail_mode`).
 
-Must not: retry a script call (a retried acquire whose first reply was merely late would
-charge twice), block longer than its short socket timeouts, or log per request.
+Must not: block longer than its short socket timeouts, or log per request. It never
+retries an acquire (the caller has already decided without it); the calls it does
+repeat, cancels and releases, are idempotent on the lease id.
 
 Decisions match `MemoryLimits` exactly: the scripts reimplement `policy.token_bucket`'s
 arithmetic in Lua over doubles, operation for operation, and a test runs one sequence of
@@ -22,6 +23,16 @@ expiry (acquire time + `lease_ttl_s`). A gateway that crashes holding leases los
 when they expire; set `lease_ttl_s` to the longest a request may take (the total request
 timeout) plus a margin. Expired leases are never reconciled.
 
+Hiccups (issue 11, item 7): when Redis pauses (a fork, swap, a paused VM), an acquire
+already on the wire times out here, and the gateway decides without Redis; but Redis
+runs the script when it resumes, and that lease held a slot for its whole TTL (after two
+hiccups a tenant with a small concurrency limit was refused for ~655 s). So every acquire
+carries a lease id, and one that failed is *cancelled*: the cancel script frees the lease
+and refunds its charges if the acquire ran, and leaves a tombstone so that an acquire
+arriving after its cancel is refused. A release that cannot reach Redis is kept too.
+Both are delivered, in the background every `reconnect_interval_s` and before the next
+acquire of the same tenant, until Redis takes them or the lease has expired anyway.
+
 Unreachable Redis (refused, reset, timed out): `fail_mode="open"` decides with a
 per-process `MemoryLimits` (each process enforces the full limits on its own, so N
 gateways admit up to N times the limit) and sets `degraded`; `fail_mode="closed"` denies
@@ -32,8 +43,10 @@ are logged once each, not per request.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -41,7 +54,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from seawall import clock as seawall_clock
 from seawall.state.limits import (
+    RETRY_AFTER_LEASES,
     WAIT_MARGIN_S,
     Denied,
     Lease,
@@ -49,7 +64,9 @@ from seawall.state.limits import (
     RecentDurations,
     TenantLimits,
     bucket_shape,
+    concurrency_retry_after_s,
     denial,
+    new_lease_id,
 )
 
 log = logging.getLogger(__name__)
@@ -88,18 +105,25 @@ local function store(key, tokens, updated_at, capacity, refill)
 end
 """
 
-# KEYS: requests bucket, tokens bucket, leases zset.
+# KEYS: requests bucket, tokens bucket, leases zset, cancelled-lease tombstones zset.
 # ARGV: now override ('' = server TIME), requests capacity ('' = unlimited), requests
 # refill/s, tokens capacity ('' = unlimited), tokens refill/s, prompt tokens,
-# max concurrent ('' = unlimited), lease id, lease ttl s, limits.WAIT_MARGIN_S.
-# Returns {1} when granted, else {0, reason, retry_after_s as a string} ('' for
-# max_concurrent: the caller estimates it).
+# max concurrent ('' = unlimited), lease id, lease ttl s, limits.WAIT_MARGIN_S, how many
+# held leases to report.
+# Returns {1} when granted (or already granted under this lease id), {0, 'cancelled'} if
+# the lease id was cancelled first, {0, 'max_concurrent', now, expiry...} with the held
+# leases' expiries (soonest first) for the caller's Retry-After, else {0, reason,
+# retry_after_s as a string}.
 _ACQUIRE_LUA = (
     _LUA_COMMON
     + r"""
 local now = clock(ARGV[1])
 local amount = tonumber(ARGV[6])
 local WAIT_MARGIN_S = tonumber(ARGV[10])
+
+-- Idempotent on the lease id; and a cancel that overtook its acquire wins.
+if redis.call('ZSCORE', KEYS[3], ARGV[8]) then return {1} end
+if redis.call('ZSCORE', KEYS[4], ARGV[8]) then return {0, 'cancelled'} end
 
 local function wait_s(level, need, capacity, refill)
   if need > capacity then return 1/0 end
@@ -134,7 +158,10 @@ local ttl_s = tonumber(ARGV[9])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if ARGV[7] ~= '' then
   if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[7]) then
-    return {0, 'max_concurrent', ''}
+    local held = redis.call('ZRANGE', KEYS[3], 0, tonumber(ARGV[11]) - 1, 'WITHSCORES')
+    local reply = {0, 'max_concurrent', string.format('%.17g', now)}
+    for i = 2, #held, 2 do reply[#reply + 1] = held[i] end
+    return reply
   end
 end
 
@@ -177,6 +204,51 @@ store(KEYS[1], tokens, updated_at, capacity, refill)
 return 1
 """
 )
+
+
+# KEYS: requests bucket, tokens bucket, leases zset, cancelled-lease tombstones zset.
+# ARGV: now override, lease id, requests capacity ('' = unlimited), requests refill/s,
+# tokens capacity ('' = unlimited), tokens refill/s, tokens to refund, tombstone ttl s.
+# Returns 1 if the acquire had been granted (now freed and refunded), else 0.
+_CANCEL_LUA = (
+    _LUA_COMMON
+    + r"""
+local now = clock(ARGV[1])
+local ttl_s = tonumber(ARGV[8])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + ttl_s, ARGV[2])
+redis.call('PEXPIRE', KEYS[4], math.ceil((ttl_s + 60) * 1000))
+if not redis.call('ZSCORE', KEYS[3], ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[3], ARGV[2])
+local refunds = {1, tonumber(ARGV[7])}
+for i = 1, 2 do
+  local cap_arg = ARGV[2 * i + 1]
+  if cap_arg ~= '' and refunds[i] > 0 then
+    local capacity, refill = tonumber(cap_arg), tonumber(ARGV[2 * i + 2])
+    local tokens, updated_at = load(KEYS[i], capacity, now)
+    tokens = refilled(tokens, updated_at, capacity, refill, now)
+    store(KEYS[i], math.min(capacity, tokens + refunds[i]), math.max(updated_at, now),
+      capacity, refill)
+  end
+end
+return 1
+"""
+)
+
+
+@dataclass(slots=True)
+class _Undelivered:
+    """A cancel or a release that could not reach Redis, kept until it does."""
+
+    kind: Literal["cancel", "release"]
+    tenant: str
+    lease_id: str
+    limits: TenantLimits
+    prompt_tokens: int  # cancel: the charge to refund if the acquire ran
+    actual_prompt_tokens: int | None  # release: the engine's usage
+    charged_prompt_tokens: int  # release: what the acquire charged
+    duration_s: float  # release: for the concurrency Retry-After, once delivered
+    give_up_at: float  # monotonic: the lease has expired by then, so the call is moot
 
 
 def _num(value: float | None) -> str:
@@ -226,6 +298,13 @@ class RedisLimits:
         # Redis restart) and retries the EVALSHA once; otherwise one round trip per call.
         self._acquire_script = self._redis.register_script(_ACQUIRE_LUA)
         self._release_script = self._redis.register_script(_RELEASE_LUA)
+        self._cancel_script = self._redis.register_script(_CANCEL_LUA)
+        # Cancels and releases not yet delivered (see the module docstring), by lease id.
+        self._undelivered: dict[str, _Undelivered] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._last_now = 0.0  # the newest caller `now`, for deliveries in caller-clock mode
+        self._asked: dict[str, int] = {}  # lease id -> prompt tokens, until released
         self.fallback = MemoryLimits(lease_ttl_s=lease_ttl_s)
         self.degraded = False
         self._next_attempt_at = 0.0  # while degraded: when Redis may be tried again
@@ -239,6 +318,16 @@ class RedisLimits:
         """(requests bucket, prompt-tokens bucket, leases) keys of a tenant."""
         base = f"{self.key_prefix}{{{_hash_tag(tenant)}}}"
         return f"{base}:requests", f"{base}:prompt_tokens", f"{base}:leases"
+
+    def _script_keys(self, tenant: str) -> list[str]:
+        """The three above and the tombstones of cancelled lease ids (one hash slot)."""
+        requests, tokens, leases = self.keys(tenant)
+        return [requests, tokens, leases, leases.removesuffix(":leases") + ":cancelled"]
+
+    @property
+    def undelivered(self) -> int:
+        """Cancels and releases waiting for Redis to come back."""
+        return len(self._undelivered)
 
     def _use_redis(self, now: float) -> bool:
         if not self.degraded:
@@ -271,29 +360,54 @@ class RedisLimits:
         if self.degraded:
             self.degraded = False
             log.info("limits backend reachable again; shared limits restored")
+        if self._undelivered:
+            self._wake.set()
 
     async def _unavailable(
-        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        prompt_tokens: int,
+        now: float,
+        lease_id: str | None = None,
     ) -> Lease | Denied:
         if self.fail_mode == "open":
-            return await self.fallback.acquire(tenant, limits, prompt_tokens, now)
+            return await self.fallback.acquire(tenant, limits, prompt_tokens, now, lease_id)
         retry_after_s = max(1.0, self._next_attempt_at - now)
         return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
 
-    async def acquire(
-        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
-    ) -> Lease | Denied:
-        if prompt_tokens < 0:
-            raise ValueError("prompt_tokens must be >= 0")
-        self._limits[tenant] = limits
-        if not self._use_redis(now):
-            return await self._unavailable(tenant, limits, prompt_tokens, now)
+    def _buckets(
+        self, limits: TenantLimits
+    ) -> tuple[float | None, float | None, float | None, float | None]:
         requests_capacity = requests_refill = tokens_capacity = tokens_refill = None
         if limits.requests_per_min is not None:
             requests_capacity, requests_refill = bucket_shape(limits.requests_per_min)
         if limits.prompt_tokens_per_min is not None:
             tokens_capacity, tokens_refill = bucket_shape(limits.prompt_tokens_per_min)
-        lease_id = "r" + uuid.uuid4().hex
+        return requests_capacity, requests_refill, tokens_capacity, tokens_refill
+
+    async def acquire(
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        prompt_tokens: int,
+        now: float,
+        lease_id: str | None = None,
+    ) -> Lease | Denied:
+        if prompt_tokens < 0:
+            raise ValueError("prompt_tokens must be >= 0")
+        self._limits[tenant] = limits
+        self._last_now = max(self._last_now, now)
+        lease_id = lease_id or new_lease_id()
+        self._asked[lease_id] = prompt_tokens
+        if not self._use_redis(now):
+            return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
+        # This tenant's undelivered cancels first, so that a slot taken behind our back
+        # during a hiccup is free before this request is judged against it.
+        mine = any(u.tenant == tenant for u in self._undelivered.values())
+        if mine and not await self._deliver(tenant):
+            return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
+        requests_capacity, requests_refill, tokens_capacity, tokens_refill = self._buckets(limits)
         args = [
             _num(now) if self._caller_clock else "",
             _num(requests_capacity),
@@ -305,61 +419,186 @@ class RedisLimits:
             lease_id,
             _num(self.lease_ttl_s),
             _num(WAIT_MARGIN_S),
+            str(RETRY_AFTER_LEASES),
         ]
         try:
-            reply: Any = await self._acquire_script(keys=self.keys(tenant), args=args)
+            reply: Any = await self._acquire_script(keys=self._script_keys(tenant), args=args)
         except (RedisError, OSError, TimeoutError) as error:
+            # The script may have reached Redis and run, or may run when Redis resumes:
+            # the caller decides without it, so it must be undone.
+            self._asked.pop(lease_id, None)
+            self._keep(
+                _Undelivered(
+                    "cancel",
+                    tenant,
+                    lease_id,
+                    limits,
+                    prompt_tokens,
+                    None,
+                    0,
+                    0.0,
+                    seawall_clock.monotonic() + self.lease_ttl_s,
+                )
+            )
             await self._went_down(now, error)
-            return await self._unavailable(tenant, limits, prompt_tokens, now)
+            return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
         self._came_back()
+        if int(reply[0]) != 1:
+            self._asked.pop(lease_id, None)
         if int(reply[0]) == 1:
-            self._acquired_at[lease_id] = now
+            self._acquired_at.setdefault(lease_id, now)
             charged = prompt_tokens if limits.prompt_tokens_per_min is not None else 0
             return Lease(tenant, lease_id, charged)
         reason = str(reply[1])
+        if reason == "cancelled":
+            return Denied("backend_unavailable", 0.0, "This request was cancelled.")
         if reason == "max_concurrent":
+            redis_now = float(reply[2])
+            ttl_s = self.lease_ttl_s
+            held = [(float(e) - ttl_s, float(e)) for e in reply[3:]]
             durations = self._durations.get(tenant)
-            retry_after_s = durations.retry_after_s() if durations else 1.0
+            typical_s = durations.typical_s() if durations else None
+            retry_after_s = concurrency_retry_after_s(held, typical_s, redis_now)
             return denial("max_concurrent", retry_after_s, limits, prompt_tokens)
         if reason == "prompt_tokens_per_min":
             return denial("prompt_tokens_per_min", float(reply[2]), limits, prompt_tokens)
         return denial("requests_per_min", float(reply[2]), limits, prompt_tokens)
 
+    async def cancel(self, tenant: str, lease_id: str, now: float) -> None:
+        self._last_now = max(self._last_now, now)
+        self._acquired_at.pop(lease_id, None)
+        await self.fallback.cancel(tenant, lease_id, now)
+        limits = self._limits.get(tenant, TenantLimits())
+        charge = self._asked.pop(lease_id, 0)
+        self._keep(
+            _Undelivered(
+                "cancel",
+                tenant,
+                lease_id,
+                limits,
+                charge,
+                None,
+                0,
+                0.0,
+                seawall_clock.monotonic() + self.lease_ttl_s,
+            )
+        )
+        if not self.degraded:
+            await self._deliver(tenant)
+
     async def release(self, lease: Lease, actual_prompt_tokens: int | None, now: float) -> None:
+        self._last_now = max(self._last_now, now)
+        self._asked.pop(lease.lease_id, None)
         if self.fallback.holds(lease):
             await self.fallback.release(lease, actual_prompt_tokens, now)
             return
         acquired_at = self._acquired_at.pop(lease.lease_id, None)
         if acquired_at is None:
             return  # released twice
-        if self.degraded:
-            # Only acquires probe Redis. The lease expires there by its TTL and its
-            # estimate stands: the safe side of a lost reconciliation.
-            return
-        limits = self._limits.get(lease.tenant, TenantLimits())
-        difference: int | None = None
-        if actual_prompt_tokens is not None and limits.prompt_tokens_per_min is not None:
-            difference = actual_prompt_tokens - lease.charged_prompt_tokens
-        tokens_capacity = tokens_refill = None
-        if limits.prompt_tokens_per_min is not None:
-            tokens_capacity, tokens_refill = bucket_shape(limits.prompt_tokens_per_min)
-        _, tokens_key, leases_key = self.keys(lease.tenant)
-        args = [
-            _num(now) if self._caller_clock else "",
+        undelivered = _Undelivered(
+            "release",
+            lease.tenant,
             lease.lease_id,
-            "" if not difference else str(difference),
-            _num(tokens_capacity),
-            _num(tokens_refill),
-        ]
+            self._limits.get(lease.tenant, TenantLimits()),
+            0,
+            actual_prompt_tokens,
+            lease.charged_prompt_tokens,
+            now - acquired_at,
+            seawall_clock.monotonic() + self.lease_ttl_s,
+        )
+        if self.degraded:
+            # Kept and delivered once Redis answers again: dropped, the lease would
+            # hold its slot for its whole TTL.
+            self._keep(undelivered)
+            return
         try:
-            held: Any = await self._release_script(keys=[tokens_key, leases_key], args=args)
+            await self._send(undelivered, now)
         except (RedisError, OSError, TimeoutError) as error:
+            self._keep(undelivered)
             await self._went_down(now, error)
             return
         self._came_back()
+
+    # -- cancels and releases Redis has not taken yet ----------------------------------
+
+    async def _send(self, u: _Undelivered, now: float) -> None:
+        """Run one cancel or release script (raises what redis-py raises)."""
+        requests_capacity, requests_refill, tokens_capacity, tokens_refill = self._buckets(u.limits)
+        now_arg = _num(now) if self._caller_clock else ""
+        keys = self._script_keys(u.tenant)
+        if u.kind == "cancel":
+            await self._cancel_script(
+                keys=keys,
+                args=[
+                    now_arg,
+                    u.lease_id,
+                    _num(requests_capacity),
+                    _num(requests_refill),
+                    _num(tokens_capacity),
+                    _num(tokens_refill),
+                    str(u.prompt_tokens if tokens_capacity is not None else 0),
+                    _num(self.lease_ttl_s),
+                ],
+            )
+            return
+        difference: int | None = None
+        if u.actual_prompt_tokens is not None and tokens_capacity is not None:
+            difference = u.actual_prompt_tokens - u.charged_prompt_tokens
+        held: Any = await self._release_script(
+            keys=[keys[1], keys[2]],
+            args=[
+                now_arg,
+                u.lease_id,
+                "" if not difference else str(difference),
+                _num(tokens_capacity),
+                _num(tokens_refill),
+            ],
+        )
         if int(held) == 1:  # finished within its lease (as MemoryLimits counts them)
-            self._durations.setdefault(lease.tenant, RecentDurations()).add(now - acquired_at)
+            self._durations.setdefault(u.tenant, RecentDurations()).add(u.duration_s)
+
+    def _keep(self, u: _Undelivered) -> None:
+        self._undelivered[u.lease_id] = u
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._deliver_loop())
+
+    async def _deliver(self, tenant: str | None = None) -> bool:
+        """Deliver what is kept (only `tenant`'s, if given); False if Redis failed."""
+        mono = seawall_clock.monotonic()
+        for lease_id, u in list(self._undelivered.items()):
+            if tenant is not None and u.tenant != tenant:
+                continue
+            if u.give_up_at <= mono:
+                del self._undelivered[lease_id]  # the lease has expired in Redis anyway
+                continue
+            try:
+                await self._send(u, self._last_now)
+            except (RedisError, OSError, TimeoutError) as error:
+                await self._went_down(self._last_now, error)
+                return False
+            self._undelivered.pop(lease_id, None)
+        self._came_back()
+        return True
+
+    async def _deliver_loop(self) -> None:
+        """Every `reconnect_interval_s` (or at once when Redis is seen again), until
+        nothing is kept. Bounded: each kept call is dropped when its lease would have
+        expired."""
+        while self._undelivered:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.reconnect_interval_s)
+            self._wake.clear()
+            # While degraded this is Redis's one probe per interval, like a request's.
+            now = self._last_now if self._caller_clock else seawall_clock.monotonic()
+            if self._use_redis(now):
+                await self._deliver()
 
     async def close(self) -> None:
+        if self._undelivered and not self.degraded:
+            await self._deliver()  # last chance; the rest expire by their TTL
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
         await self._redis.aclose()
         await self.fallback.close()
