@@ -364,6 +364,83 @@ class AdmissionConfig(_Strict):
         return self.enabled and (self.kv_reserve_max is not None or self.mode == "adaptive")
 
 
+class ClusterConfig(_Strict):
+    """Several gateway instances, one fleet: one elected leader probes, decides and acts;
+    the others follow its published view (see `seawall.cluster`). Off by default: a
+    single instance with `store: none` leads itself, exactly as before."""
+
+    # Where instances share leadership, the fleet view and the restart ledger: `none`
+    # (a single instance), `redis` (instances anywhere; `redis_url`), or `local` (several
+    # processes on one host, through the store server at `local_socket`).
+    store: Literal["none", "redis", "local"] = "none"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # may hold ${REDIS_PASSWORD} (envref)
+    key_prefix: str = "seawall:cluster:"  # every key the cluster writes is under it
+    local_socket: str = "seawall-cluster.sock"  # relative to the working directory
+    # Who leads: the store's own lease (`store`), or a coordination.k8s.io Lease
+    # (`kubernetes`; needs RBAC on leases; the state still lives in `store`).
+    election: Literal["store", "kubernetes"] = "store"
+    lease_name: str = "seawall-fleet-leader"
+    lease_namespace: str = "default"  # in Kubernetes, set it to the gateway's namespace
+    # This instance's name in the fleet. None: $POD_NAME, else "<hostname>-<pid>".
+    instance_id: str | None = None
+    # Where other instances reach this one's admin API (operator actions sent to a
+    # follower are forwarded to the leader's). None: the admin API's own host and port,
+    # with $POD_IP (else the hostname) in place of a wildcard host such as 0.0.0.0.
+    advertise_admin_url: str | None = None
+
+    # Leadership. A leader that dies is replaced within lease_ttl_s + renew_interval_s
+    # (5 s with these defaults; a clean shutdown hands over within renew_interval_s). A
+    # leader that cannot renew stops acting after lease_ttl_s - renew_interval_s (3 s),
+    # before anyone else may start. Kubernetes Leases count whole seconds (rounded up).
+    lease_ttl_s: PositiveSeconds = 4.0
+    renew_interval_s: PositiveSeconds = 1.0
+    # Membership: every instance reports its in-flight counts this often, and an
+    # instance that stops reporting leaves the fleet after member_ttl_s.
+    heartbeat_interval_s: PositiveSeconds = 0.5
+    member_ttl_s: PositiveSeconds = 3.0
+    # The fleet view: the leader publishes every change (at most every
+    # min_publish_interval_s) and at least every publish_interval_s; followers read it
+    # every view_poll_interval_s. A follower whose view is older than view_stale_s is
+    # fail-static (it says so in /readyz and the metrics, and keeps serving on it).
+    publish_interval_s: PositiveSeconds = 1.0
+    min_publish_interval_s: PositiveSeconds = 0.05
+    view_poll_interval_s: PositiveSeconds = 0.25
+    view_stale_s: PositiveSeconds = 3.0
+    store_timeout_s: PositiveSeconds = 0.5  # one store call, before it counts as down
+
+    # Passive outlier detection on followers (which probe nothing themselves), Envoy's
+    # consecutive-failure rule: this many replica faults in a row from the requests an
+    # instance relays eject that replica from its routing for outlier_ejection_s, twice
+    # as long at each repeat up to outlier_max_ejection_s, and never more than
+    # outlier_max_ejected_fraction of a model's replicas at once.
+    outlier_consecutive_failures: Annotated[int, Field(ge=1)] = 5
+    outlier_ejection_s: PositiveSeconds = 5.0
+    outlier_max_ejection_s: PositiveSeconds = 60.0
+    outlier_max_ejected_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ClusterConfig:
+        if self.election == "kubernetes" and self.store == "none":
+            raise ValueError(
+                "cluster.election: kubernetes needs a shared store for the fleet view and "
+                "the ledger (cluster.store: redis or local)"
+            )
+        if self.renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                "cluster.lease_ttl_s must be at least twice cluster.renew_interval_s "
+                "(a leader steps down after lease_ttl_s - renew_interval_s without renewal)"
+            )
+        if self.heartbeat_interval_s * 2 > self.member_ttl_s:
+            raise ValueError(
+                "cluster.member_ttl_s must be at least twice cluster.heartbeat_interval_s"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.store != "none"
+
+
 class TelemetryConfig(_Strict):
     """OpenTelemetry traces, exported over OTLP/HTTP. Off by default, and then nothing of
     OpenTelemetry is imported or run; W3C trace context (`traceparent`, `tracestate`) is
@@ -417,6 +494,7 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
     fleet: FleetMonitorConfig = FleetMonitorConfig()
+    cluster: ClusterConfig = ClusterConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     logging: LoggingConfig = LoggingConfig()
     seed: int | None = None  # for the balancer's random choices; None = from the OS

@@ -63,6 +63,10 @@ HARDWARE_TICKETS = "seawall_hardware_tickets_total"
 MIGRATIONS = "seawall_migrations_total"
 STREAM_ERRORS = "seawall_stream_errors_total"
 DRAINING = "seawall_draining"
+CLUSTER_ROLE = "seawall_cluster_role"
+CLUSTER_FAIL_STATIC = "seawall_cluster_fail_static"
+CLUSTER_INSTANCES = "seawall_cluster_instances"
+FLEET_VIEW_AGE = "seawall_fleet_view_age_seconds"
 # pools (issue 16). Names only: the gateway registers these families (the lead's wiring);
 # `seawall budget --from-prometheus` reads them (ops/budget_prom.py).
 REPLICA_POOL = "seawall_replica_pool"  # {replica, pool} = 1: which pool a replica is in
@@ -296,6 +300,27 @@ class Metrics:
             "Streams that reached the client and then ended with an error event "
             "(dropped streams), by cause.",
             ["reason"],
+            registry=r,
+        )
+        # Several gateway instances, one fleet (seawall.cluster).
+        self.cluster_role = Gauge(
+            CLUSTER_ROLE,
+            "1 for this instance's role in the fleet (leader or follower), 0 for the other.",
+            ["role"],
+            registry=r,
+        )
+        self.cluster_fail_static = Gauge(
+            CLUSTER_FAIL_STATIC,
+            "1 while this instance serves on a fleet view it cannot refresh (the cluster "
+            "store or the leader is gone).",
+            registry=r,
+        )
+        self.cluster_instances = Gauge(
+            CLUSTER_INSTANCES, "Live gateway instances in the fleet, this one included.", registry=r
+        )
+        self.fleet_view_age = Gauge(
+            FLEET_VIEW_AGE,
+            "Age of the fleet view this instance routes by (0 on the leader).",
             registry=r,
         )
 

@@ -38,6 +38,7 @@ class ReplicaSpec:
     engine: str = "auto"  # auto | vllm | vllm_legacy | sglang | tgi | llamacpp | openai
     pod: str | None = None
     namespace: str | None = None
+    uid: str | None = None  # the pod's uid (EndpointSlice targetRef): deletes are fenced by it
 
     @property
     def domain(self) -> str:
@@ -45,7 +46,13 @@ class ReplicaSpec:
 
     def ref(self, model: str = "") -> ReplicaRef:
         return ReplicaRef(
-            self.replica_id, self.url, self.node, model or self.model, self.pod, self.namespace
+            self.replica_id,
+            self.url,
+            self.node,
+            model or self.model,
+            self.pod,
+            self.namespace,
+            self.uid,
         )
 
 
