@@ -601,7 +601,10 @@ class FleetMonitor:
             busy = self.signals.streams_in_flight(rid) > 0 or bool(
                 rep.load is not None and rep.load.running
             )
-            await asyncio.sleep(rules.deep_probe_delay_s(busy, self._th, self._rng.uniform(-1, 1)))
+            delay = rules.deep_probe_delay_s(
+                busy, self._th, self._rng.uniform(-1, 1), rep.spec.deep_probe_min_interval_s
+            )
+            await asyncio.sleep(delay)
             if rep.state not in PROBED_STATES:
                 continue
             generation = rep.generation

@@ -103,6 +103,7 @@ def _spec_json(s: ReplicaSpec) -> dict[str, Any]:
         "pod": s.pod,
         "namespace": s.namespace,
         "uid": s.uid,
+        "pool": s.pool,
     }
 
 
@@ -116,6 +117,7 @@ def _spec_from(d: Mapping[str, Any]) -> ReplicaSpec:
         pod=d.get("pod"),
         namespace=d.get("namespace"),
         uid=d.get("uid"),
+        pool=str(d.get("pool") or "default"),
     )
 
 

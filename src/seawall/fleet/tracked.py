@@ -39,6 +39,9 @@ class ReplicaSpec:
     pod: str | None = None
     namespace: str | None = None
     uid: str | None = None  # the pod's uid (EndpointSlice targetRef): deletes are fenced by it
+    pool: str = "default"  # the group of replicas it fails with (seawall.config.PoolConfig)
+    # At most one deep probe this often (a remote pool's GPUs are someone else's).
+    deep_probe_min_interval_s: float | None = None
 
     @property
     def domain(self) -> str:

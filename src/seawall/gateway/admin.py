@@ -53,6 +53,7 @@ from seawall.errors import ApiError, unavailable
 from seawall.fleet.monitor import FleetMonitor
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.queue import AdmissionQueue
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.rollout import FleetOps, Rollout, RolloutOptions
@@ -100,6 +101,7 @@ class Admin:
         queue: AdmissionQueue,
         ops: FleetOps,
         admission: AdmissionControl | None = None,
+        pools: PoolRouter | None = None,
         draining: Callable[[], bool],
         api_url: Callable[[], str],
         hedging: bool,
@@ -115,6 +117,7 @@ class Admin:
         self.tenancy = tenancy
         self.queue = queue
         self.admission = admission  # adaptive admission's controllers, when that mode is on
+        self.pools = pools  # the pool router (gateway/pools.py)
         self.ops = ops
         self.draining = draining
         self.api_url = api_url
@@ -166,6 +169,7 @@ class Admin:
             r = self.replicas.get(item["id"])
             if r is not None:
                 item["inflight"] = r.counts.requests
+                item["pool"] = r.pool
                 item["gateway"] = {
                     "ttft_ewma_s": r.ttft_ewma_s,
                     "itl_ewma_s": r.itl_ewma_s,
@@ -207,6 +211,18 @@ class Admin:
             "actuator": self.monitor.actuator.name,
             "api_url": self.api_url(),
             "models": self.replicas.models(),
+            "pools": self.pools.describe(now) if self.pools is not None else [],
+            "pool_events": [
+                {
+                    "at_wall": clock.wall() - (now - e.at),
+                    "change": e.change.value,
+                    "model": e.model,
+                    "from": e.from_pool,
+                    "to": e.to_pool,
+                    "reason": e.reason,
+                }
+                for e in (self.pools.history if self.pools is not None else ())
+            ],
             **({"cluster": self.cluster()} if self.cluster is not None else {}),
         }
 

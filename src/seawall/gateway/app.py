@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ from seawall.auth import hash_key
 from seawall.cluster.report import ReplicaReport
 from seawall.cluster.roles import ActHere, OperatorRoute, RoleHooks, RoleManager
 from seawall.cluster.store import ClusterStore
-from seawall.config import ClusterConfig, ConfigError, GatewayConfig, ReplicaConfig
+from seawall.config import DEFAULT_POOL, ClusterConfig, ConfigError, GatewayConfig, ReplicaConfig
 from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.published import PublishedView
@@ -65,6 +65,7 @@ from seawall.gateway.frontdoor import FrontDoor
 from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.proxy import Proxy
 from seawall.gateway.relay import Relay
 from seawall.gateway.replicas import Replica, ReplicaSet, ReplicaSignals, replica_reports
@@ -75,11 +76,15 @@ from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.ledger import failure_domain
 from seawall.policy.outlier import OutlierRule
+from seawall.policy.pools import Change, PoolEvent
 from seawall.policy.retry_budget import RetryBudget
 from seawall.state.backends import open_limits_backend
 from seawall.state.ledger import Ledger, StoreLedger
 
 log = logging.getLogger("seawall.gateway")
+
+# How often each model's serving pool is stepped besides on fleet snapshots.
+POOL_TICK_S = 0.5
 
 # After the drain deadline has cut what was left, how long the cut requests get to write
 # their last bytes (an error event and [DONE]) before the listener closes.
@@ -200,7 +205,18 @@ class Gateway:
             lease_ttl_s=config.timeouts.total_s + 60.0,
         )
         self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
-        self.fleet_admission = FleetAdmission(config.admission, self.replicas, m)
+        # Pools: which group of replicas a request may use (gateway/pools.py).
+        self.pools = PoolRouter(
+            config.pools,
+            self.replicas,
+            config.failover.after_s,
+            config.failover.failback_after_s,
+            on_event=self._pool_event,
+        )
+        for name, pc in config.pools.items():
+            m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
+        self.monitor.subscribe(lambda snap: self._observe_pools())
+        self.fleet_admission = FleetAdmission(config.admission, self.replicas, m, self.pools)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
         self.monitor.subscribe(self.fleet_admission.on_snapshot)  # adaptive admission
         warn_if_open(config)
@@ -225,6 +241,8 @@ class Gateway:
             else None,
             fleet_load=self.fleet_load,
             on_ttft=self._observe_ttft,
+            pools=self.pools,
+            pool_retry_after_s=config.failover.retry_after_s,
         )
         relay = Relay(
             dispatcher=self.dispatcher,
@@ -266,6 +284,7 @@ class Gateway:
                 tenancy=self.tenancy,
                 queue=self.fleet_admission.queue,
                 admission=self.fleet_admission.control,
+                pools=self.pools,
                 ops=self,
                 draining=lambda: self.draining,
                 api_url=lambda: f"http://{config.listen.host}:{self.port}",
@@ -276,6 +295,7 @@ class Gateway:
 
         self.front_door: FrontDoor | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()  # short jobs, e.g. ledger writes
         self._kube_client: Any = None
         self.port: int | None = None
         self._seed_metrics()
@@ -285,6 +305,48 @@ class Gateway:
     def _new_model_card(self, model: str, card: dict[str, Any]) -> None:
         if isinstance(card.get("max_model_len"), int):
             warn_if_context_too_small(self.config, model, card["max_model_len"])
+
+    def _observe_pools(self) -> None:
+        """Step each model's serving pool, and show where each model is served."""
+        now = clock.monotonic()
+        self.pools.observe(now)
+        if self.pools.single:
+            return
+        m = self.metrics
+        for row in self.pools.describe(now):
+            pool = str(row["pool"])
+            served = row["serving"]
+            for model in self.replicas.models():
+                serving = isinstance(served, list) and model in served
+                m.pool_serving.labels(pool, model).set(1 if serving else 0)
+                free, sat = self.replicas.candidates(model, now, pool=pool)
+                m.pool_routable.labels(pool, model).set(len(free) + len(sat))
+
+    def _pool_event(self, event: PoolEvent) -> None:
+        if event.change is Change.failover:
+            self.metrics.pool_failovers.labels(
+                event.model, event.from_pool or "", event.to_pool or ""
+            ).inc()
+        elif event.change is Change.failback:
+            self.metrics.pool_failbacks.labels(
+                event.model, event.from_pool or "", event.to_pool or ""
+            ).inc()
+        if event.change is not Change.first and self.monitor.leading:
+            # The ledger keeps the fleet's pool moves; one writer, the leader.
+            self._spawn_background(self.monitor.ledger.record_pool_event(event))
+
+    def _spawn_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
+    async def _pool_tick(self) -> None:
+        """Hysteresis is about time: the serving pools are stepped on a tick as well as on
+        every new fleet snapshot."""
+        while True:
+            await asyncio.sleep(POOL_TICK_S)
+            self._observe_pools()
 
     def _slot_released(self, replica_id: str) -> None:
         replica = self.replicas.get(replica_id)
@@ -321,10 +383,23 @@ class Gateway:
         api_key: str | None = None,
         engine: str = "auto",
         model_name: str | None = None,
+        pool: str = DEFAULT_POOL,
     ) -> Replica:
         """A replica joins routing and the fleet monitor (config, rollouts, discovery)."""
-        spec = ReplicaSpec(replica_id, url.rstrip("/"), model or "", node, engine)
+        spec = ReplicaSpec(
+            replica_id,
+            url.rstrip("/"),
+            model or "",
+            node,
+            engine,
+            pool=pool,
+            deep_probe_min_interval_s=self._pool_probe_floor(pool),
+        )
         return self._add(spec, api_key, model_name)
+
+    def _pool_probe_floor(self, pool: str) -> float | None:
+        cfg = self.config.pools.get(pool)
+        return cfg.deep_probe_min_interval_s if cfg is not None else None
 
     def _add(
         self, spec: ReplicaSpec, api_key: str | None = None, model_name: str | None = None
@@ -333,20 +408,25 @@ class Gateway:
         replica = Replica(
             rid, spec.url, spec.model or None, spec.node, api_key, spec.engine, model_name
         )
+        replica.pool = spec.pool
         self.replicas.add(replica)
         counts = replica.counts
         self.metrics.inflight.labels(rid).set_function(lambda: counts.requests)
+        self.metrics.replica_pool.labels(rid, spec.pool).set(1)
         self._specs[rid] = spec
         self.monitor.add_replica(spec)
         return replica
 
     def _add_configured(self, replica_id: str, rc: ReplicaConfig) -> Replica:
         return self.add_replica(
-            replica_id, rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name
+            replica_id, rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name, rc.pool
         )
 
     def remove_replica(self, replica_id: str) -> None:
-        self.replicas.remove(replica_id)
+        gone = self.replicas.remove(replica_id)
+        if gone is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.replica_pool.remove(replica_id, gone.pool)
         self._specs.pop(replica_id, None)
         self.monitor.remove_replica(replica_id)
         if self.fleet_admission.control is not None:
@@ -678,6 +758,9 @@ class Gateway:
         if self.cluster is None:
             await self._start_discovery()  # with a cluster, the leader alone discovers
         self._tasks.append(asyncio.create_task(self.catalog.run(self.session)))
+        if not self.pools.single:
+            self._observe_pools()
+            self._tasks.append(asyncio.create_task(self._pool_tick()))
         if not self._metrics_public() and not self._metrics_credentials():
             log.warning(
                 "tenants are configured, so /metrics needs a credential, and none is set: "
@@ -898,3 +981,8 @@ class ReloadReport:
 
     def __str__(self) -> str:
         return f"tenants {self.tenants}; tiers {self.tiers}; replicas {self.replicas}"
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed: %r", task.exception())

@@ -47,6 +47,7 @@ class Replica:
     api_key: str | None = None
     engine: str = "auto"
     model_name: str | None = None  # the public name, when it is not `model` (aliases.py)
+    pool: str = "default"  # the group it fails with (gateway/pools.py routes by it)
     kv_block_size: int = 16  # learned from the engine's cache config; vLLM's default
     chunks_relayed: int = 0
     ejected_until: float = 0.0
@@ -170,10 +171,15 @@ class ReplicaSet:
         return self.view(replica, snap).routable
 
     def candidates(
-        self, model: str, now: float, exclude: Iterable[str] = (), need_tokens: int = 0
+        self,
+        model: str,
+        now: float,
+        exclude: Iterable[str] = (),
+        need_tokens: int = 0,
+        pool: str | None = None,
     ) -> tuple[list[Replica], list[Replica]]:
         """(usable and not saturated, usable but saturated) replicas serving `model`, for a
-        request that may grow to `need_tokens` KV tokens."""
+        request that may grow to `need_tokens` KV tokens; with `pool`, in that pool only."""
         snap = self.snapshot()
         skip = set(exclude)
         free: list[Replica] = []
@@ -182,11 +188,17 @@ class ReplicaSet:
             # An aliased replica is chosen once its served name is known (sent upstream).
             if r.public != model or r.model is None or r.id in skip:
                 continue
+            if pool is not None and r.pool != pool:
+                continue
             if not self.usable(r, now, snap):
                 continue
             view = self.view(r, snap)
             (saturated if self.saturation(r, view, now, need_tokens) else free).append(r)
         return free, saturated
+
+    def pools_serving(self, model: str) -> set[str]:
+        """The pools with at least one replica serving `model` (routable or not)."""
+        return {r.pool for r in self._replicas.values() if r.public == model}
 
     def choose(self, candidates: list[Replica]) -> Replica | None:
         snap = self.snapshot()

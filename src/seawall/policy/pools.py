@@ -16,11 +16,13 @@ Two decisions, on two time scales:
    region's traffic across a WAN. Coming back to a better pool is a *failback*, taken
    only when that pool has stayed healthy for `failback_after_s` without a break, so
    that a pool that flaps does not take traffic back and forth. Both are events.
-2. Where one request may go (`route_order`, `may_leave`), at once. The serving pool
-   first, then the tier's other pools in its order: to *overflow* (the pool is
-   saturated: admission would shed) if the tier allows it, and to *fail over* (the pool
-   has no routable replica at this moment, before the selector has moved) if the tier
-   allows it. A request must not fail for want of hysteresis. A tier that may not leave
+2. Where one request may go (`route_order`, `may_leave`, `may_enter`), at once. The
+   serving pool first, then the tier's other pools in its order: to *overflow* (the
+   pool is saturated: admission would shed) if the tier allows it, into active pools
+   only (a passive pool takes no traffic while the pool before it is healthy, and a
+   saturated pool is healthy); and to *fail over* (the pool has no routable replica at
+   this moment, before the selector has moved) if the tier allows it, into any pool. A
+   request must not fail for want of hysteresis. A tier that may not leave
    its first pool is shed (429) when that pool is saturated and refused (503) when it
    has no routable replica; its first pool stays its own even after the fleet failed
    over (a free tier may be shed rather than sent across regions).
@@ -182,6 +184,12 @@ def route_order(serving: str | None, pools: Sequence[PoolSpec], tier: TierPools)
     if tier.failover and serving in order and serving != order[0]:
         order = (serving, *(n for n in order if n != serving))
     return order
+
+
+def may_enter(pool: PoolSpec, serving: str | None, failing_over: bool) -> bool:
+    """Whether a request moving on from an earlier pool may go into `pool`: a passive
+    pool takes traffic only by failover, unless it is the one serving the model now."""
+    return not pool.passive or failing_over or pool.name == serving
 
 
 def may_leave(tier: TierPools, health: PoolHealth | None) -> bool:

@@ -40,6 +40,7 @@ from seawall import clock
 from seawall.actuate.base import Evidence
 from seawall.cluster.store import ClusterStore, FencedOut, StoreUnavailable
 from seawall.policy.ledger import RecordKind, RestartRecord
+from seawall.policy.pools import PoolEvent
 
 T = TypeVar("T")
 
@@ -72,7 +73,27 @@ CREATE TABLE IF NOT EXISTS uncordons (
     node TEXT PRIMARY KEY,
     at_wall REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS pool_events (
+    at_wall REAL NOT NULL,
+    change TEXT NOT NULL,
+    model TEXT NOT NULL,
+    from_pool TEXT,
+    to_pool TEXT,
+    reason TEXT NOT NULL
+);
 """
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRecord:
+    """A pool event as the ledger keeps it (wall-clock time)."""
+
+    at_wall: float
+    change: str  # failover | failback
+    model: str
+    from_pool: str | None
+    to_pool: str | None
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +130,12 @@ class Ledger(Protocol):
     async def set_cordoned(
         self, node: str, cordoned: bool, evidence: Evidence | None = None
     ) -> None: ...
+
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        """A model's traffic moved between pools (failover, failback)."""
+        ...
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]: ...
 
     async def close(self) -> None: ...
 
@@ -214,6 +241,26 @@ class RestartLedger:
                 (node, now, raw),
             )
         )
+
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        row = (clock.wall(), event.change.value, event.model, event.from_pool, event.to_pool)
+        await self._run(
+            lambda db: db.execute(
+                "INSERT INTO pool_events (at_wall, change, model, from_pool, to_pool, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (*row, event.reason),
+            )
+        )
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]:
+        rows: list[tuple[float, str, str, str | None, str | None, str]] = await self._run(
+            lambda db: db.execute(
+                "SELECT at_wall, change, model, from_pool, to_pool, reason FROM pool_events "
+                "WHERE at_wall >= ? ORDER BY at_wall",
+                (since_wall,),
+            ).fetchall()
+        )
+        return [PoolRecord(*row) for row in rows]
 
     async def close(self) -> None:
         await self._run(lambda db: db.close())
@@ -321,6 +368,26 @@ class StoreLedger:
         evidence = evidence or Evidence(node=node, reasons=("manual",))
         row = orjson.dumps({"since_wall": since, "evidence": asdict(evidence)})
         await self._do(self._store.hset("ledger:cordons", node, row, epoch))
+
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        row = orjson.dumps(
+            {
+                "at_wall": clock.wall(),
+                "change": event.change.value,
+                "model": event.model,
+                "from_pool": event.from_pool,
+                "to_pool": event.to_pool,
+                "reason": event.reason,
+            }
+        )
+        await self._do(
+            self._store.append("ledger:pools", row, self._epoch(), STORE_ROWS_PER_DOMAIN)
+        )
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]:
+        raw: list[bytes] = await self._do(self._store.range("ledger:pools"))
+        rows = [PoolRecord(**orjson.loads(item)) for item in raw]
+        return sorted((r for r in rows if r.at_wall >= since_wall), key=lambda r: r.at_wall)
 
     async def close(self) -> None:
         return None
