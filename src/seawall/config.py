@@ -398,6 +398,11 @@ class ClusterConfig(_Strict):
     # Who leads: the store's own lease (`store`), or a coordination.k8s.io Lease
     # (`kubernetes`; needs RBAC on leases; the state still lives in `store`).
     election: Literal["store", "kubernetes"] = "store"
+    # Whether this instance stands for election. false: it only follows (it never
+    # probes, decides or acts; it needs only to read the lease), for instances that hold
+    # no actuator: the serving pods beside a separate actuator Deployment, or the
+    # `seawall up --gateways` followers beside the gateway that owns the supervisor.
+    may_lead: bool = True
     lease_name: str = "seawall-fleet-leader"
     lease_namespace: str = "default"  # in Kubernetes, set it to the gateway's namespace
     # This instance's name in the fleet. None: $POD_NAME, else "<hostname>-<pid>".

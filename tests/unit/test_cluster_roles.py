@@ -7,6 +7,7 @@ state). The loops themselves run in tests/integration/test_cluster_fleet.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +237,76 @@ async def test_a_drain_waits_for_every_instance_to_see_the_change_and_to_be_idle
     # At the deadline it answers with what is still in flight.
     peers.update({"b": _report("b", (3, 8), 2)})
     assert await peers.wait_idle("r0", clock.monotonic() - 1) == 2
+
+
+async def test_an_instance_that_may_not_lead_never_takes_the_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`may_lead: false` (an instance with no actuator): it follows, even with nobody
+    leading, and forwards operator actions to whoever takes the lease later."""
+    t = Time(monkeypatch)
+    store = MemoryStore(t)
+    h = Hooks("f")
+    follower = RoleManager(
+        instance="f",
+        store=store,
+        elector=None,
+        hooks=h.hooks(),
+        timing=TIMING.model_copy(update={"may_lead": False}),
+    )
+    await follower._elect()
+    assert not follower.leading and await store.leader() is None and h.roles == []
+    assert isinstance(follower.operator_route(), NoLeader)
+    (a, _) = _manager("a", store)
+    await a._elect()
+    await follower._elect()
+    assert a.leading and follower.operator_route() == ForwardTo("http://a:8081", "a")
+    await a.stop()  # hands the lease back: still nobody else takes it
+    await follower._elect()
+    assert not follower.leading and await store.leader() is None
+
+
+async def test_a_draining_instance_keeps_its_lease_but_takes_no_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = Time(monkeypatch)
+    store = MemoryStore(t)
+    (a, _), (b, _), (c, _) = _manager("a", store), _manager("b", store), _manager("c", store)
+    await a._elect()
+    a.withdraw()  # the leader drains: it keeps renewing while it drains
+    t.now += TIMING.lease_ttl_s - TIMING.renew_interval_s / 2
+    await a._elect()
+    t.now += TIMING.renew_interval_s
+    await b._elect()
+    assert a.leading and not b.leading
+    b.withdraw()  # b drains too; when a leaves, the lease goes to c, which stays
+    await a.stop()
+    await b._elect()
+    await c._elect()
+    assert not b.leading and c.leading
+
+
+async def test_reports_carry_extra_figures_and_the_leader_can_wait_for_fresh_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = Time(monkeypatch)
+    wall = [5000.0]
+    monkeypatch.setattr(clock, "wall", lambda: wall[0])
+    store = MemoryStore(t)
+    (a, _), (b, _) = _manager("a", store), _manager("b", store)
+    b.hooks = dataclasses.replace(b.hooks, report_extra=lambda: {"streams_dropped": 2})
+    await b._beat()
+    await a._beat()
+    assert a.peers.reports["b"].extra == {"streams_dropped": 2}
+    # Figures as of a later moment: not in until b reports again.
+    waiting = asyncio.ensure_future(a.peers.wait_reports_since(5001.0, clock.monotonic() + 10))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    wall[0] = 5001.5
+    await b._beat()
+    await a._beat()
+    assert await asyncio.wait_for(waiting, 5) is True
+    assert await a.peers.wait_reports_since(6000.0, clock.monotonic() - 1) is False
 
 
 def test_chunks_relayed_never_go_down_when_an_instance_leaves() -> None:

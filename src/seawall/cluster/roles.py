@@ -2,10 +2,11 @@
 about it. Owned by the composition root (`gateway/app.py`), which gives it its hooks.
 
 Every instance, every `heartbeat_interval_s`: writes its report (its in-flight counts
-per replica, `report.py`) with a TTL, and reads every live instance's (`Peers`: what the
-leader sums for drains and the watchdog, and `instance_count()`). Every
-`renew_interval_s`: tries to take or renew the lease through its `Elector` (the store
-itself, or a Kubernetes Lease).
+per replica, `report.py`, and its `hooks.report_extra` figures) with a TTL, and reads
+every live instance's (`Peers`: what the leader sums for drains and the watchdog, and
+`instance_count()`). Every `renew_interval_s`: tries to take or renew the lease through
+its `Elector` (the store itself, or a Kubernetes Lease), or, with `may_lead` off, only
+reads who holds it.
 
 The leader runs the full fleet monitor (`hooks.promote`) and publishes the fleet view
 (`hooks.export_view`) on every change, at most every `min_publish_interval_s` and at
@@ -83,6 +84,9 @@ class RoleHooks:
     admin_url: Callable[[], str]
     # The leader's per-instance grants, from the live reports (the exact-admission seam).
     quotas: Callable[[Mapping[str, InstanceReport]], Mapping[str, Any]] = lambda reports: {}
+    # Further per-instance figures for the report's `extra` (e.g. what a rollout sums
+    # over the fleet: answers that failed, streams dropped).
+    report_extra: Callable[[], Mapping[str, Any]] = lambda: {}
     # Fail-static, with a view older than `view_stale_s`: keep it, without its stale
     # engine readings (`FleetMonitor.hold_view`); called every poll while it lasts.
     hold_view: Callable[[], None] = lambda: None
@@ -213,6 +217,19 @@ class Peers:
         behind = any(r.view_applied < needed for r in self.reports.values())
         return self.requests(replica_id), behind
 
+    async def wait_reports_since(self, wall: float, deadline: float) -> bool:
+        """Until every live peer has reported as of wall-clock `wall` or later (what it
+        counted up to then is in), or the monotonic `deadline`. True if all had."""
+        while True:
+            if all(r.sent_wall >= wall for r in self.reports.values()):
+                return True
+            remaining = deadline - clock.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+
     async def wait_idle(self, replica_id: str, deadline: float) -> int:
         while True:
             left, behind = self._pending(replica_id)
@@ -269,6 +286,7 @@ class RoleManager:
         self._last_publish = -1e9
         self._tasks: list[asyncio.Task[None]] = []
         self._role_lock = asyncio.Lock()
+        self._candidate = True  # stands for election (until `withdraw`)
         if metrics is not None:
             metrics.fleet_view_age.set_function(lambda: self.view_age_s() or 0.0)
             metrics.cluster_instances.set_function(lambda: self._instances)
@@ -330,6 +348,12 @@ class RoleManager:
         if not lease.info:
             return NoLeader(retry, f"the leader {lease.holder} published no admin URL")
         return ForwardTo(lease.info, lease.holder)
+
+    def withdraw(self) -> None:
+        """Stop standing for election (the instance is draining): a leader keeps its
+        lease until it stops, a follower no longer takes one, so leadership does not move
+        to an instance about to leave."""
+        self._candidate = False
 
     def changed(self) -> None:
         """The leader's fleet changed (a monitor snapshot listener): publish soon."""
@@ -418,6 +442,7 @@ class RoleManager:
             view_seq=self._applied[1],
             sent_wall=clock.wall(),
             replicas=self.hooks.replica_reports(),
+            extra=self.hooks.report_extra(),
         )
         try:
             await self.store.heartbeat(
@@ -453,9 +478,12 @@ class RoleManager:
         t = self.timing
         started = clock.monotonic()
         try:
-            lease = await self.elector.acquire(
-                self.instance, self.hooks.admin_url(), t.lease_ttl_s, self._seen_epoch
-            )
+            if t.may_lead and (self._candidate or self._leading):
+                lease = await self.elector.acquire(
+                    self.instance, self.hooks.admin_url(), t.lease_ttl_s, self._seen_epoch
+                )
+            else:
+                lease = None  # follows only (`cluster.may_lead: false`): reads the lease
             if lease is None or lease.holder != self.instance:
                 lease = await self.elector.leader()
         except StoreUnavailable as e:

@@ -69,6 +69,7 @@ from seawall.gateway.pools import PoolRouter
 from seawall.gateway.proxy import Proxy
 from seawall.gateway.relay import Relay
 from seawall.gateway.replicas import Replica, ReplicaSet, ReplicaSignals, replica_reports
+from seawall.gateway.rollout import Tally, tally
 from seawall.gateway.stack import admission_stack
 from seawall.gateway.tenancy import Tenancy, warn_if_open
 from seawall.gateway.upstream import H1Upstream
@@ -141,6 +142,7 @@ class Gateway:
                     replica_reports=self._cluster_reports,
                     admin_url=self._advertised_admin_url,
                     hold_view=lambda: self.monitor.hold_view(),
+                    report_extra=self._cluster_extra,
                 ),
                 timing=cc,
                 metrics=m,
@@ -739,9 +741,12 @@ class Gateway:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    async def start(self, host: str | None = None, port: int | None = None) -> int:
+    async def start(
+        self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False
+    ) -> int:
         """Open the connection pool, start the monitor and discovery, listen. Returns the
-        bound port."""
+        bound port. `reuse_port`: share the port with other processes (SO_REUSEPORT), as
+        the workers of `seawall serve --workers` do."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=30, enable_cleanup_closed=True
@@ -778,6 +783,7 @@ class Gateway:
             # The drain sequence (`shutdown`) has ended every request before the runner
             # is cleaned up; aiohttp's own 60 s wait must not add to its deadline.
             shutdown_timeout_s=CUT_GRACE_S,
+            reuse_port=reuse_port,
         )
         self.port = self.front_door.port
         if self.admin is not None:
@@ -842,6 +848,25 @@ class Gateway:
     def _cluster_reports(self) -> dict[str, ReplicaReport]:
         return replica_reports(self.replicas)
 
+    def _cluster_extra(self) -> dict[str, Any]:
+        """This instance's answers so far, for the leader's rollout report."""
+        return {"answers": tally(self.metrics).to_json()}
+
+    async def fleet_tallies(self, fresh_after_wall: float | None = None) -> dict[str, Tally]:
+        """Every instance's answers so far (see `rollout.FleetOps.fleet_tallies`)."""
+        if self.cluster is None:
+            return {"local": tally(self.metrics)}
+        cluster = self.cluster
+        if fresh_after_wall is not None:
+            bound = clock.monotonic() + self.config.cluster.member_ttl_s
+            await cluster.peers.wait_reports_since(fresh_after_wall, bound)
+        out = {cluster.instance: tally(self.metrics)}
+        for name, report in cluster.peers.reports.items():
+            theirs = Tally.from_json(report.extra.get("answers"))
+            if theirs is not None:
+                out[name] = theirs
+        return out
+
     def _cluster_epoch(self) -> int:
         return self.cluster.epoch if self.cluster is not None else 0
 
@@ -862,6 +887,8 @@ class Gateway:
         #    requests get 503 + Retry-After (`draining`), before anything else changes.
         self.draining = True
         self.metrics.draining.set(1)
+        if self.cluster is not None:
+            self.cluster.withdraw()  # leadership goes to an instance that stays
         # 2. Let what is in flight finish, up to the deadline: an event on the ledger,
         #    set by the release that brings the count to zero.
         timeout = self.config.drain.timeout_s if timeout_s is None else timeout_s

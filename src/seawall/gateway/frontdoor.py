@@ -775,11 +775,13 @@ class _Site(web.BaseSite):
         port: int,
         protocol_factory: Callable[[], _Handler],
         backlog: int,
+        reuse_port: bool = False,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
         self._factory = protocol_factory
+        self._reuse_port = reuse_port
         self.bound_port: int | None = None
 
     @property
@@ -790,7 +792,14 @@ class _Site(web.BaseSite):
         await super().start()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+            self._factory,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            # Several worker processes on one port (`seawall serve --workers`): the
+            # kernel spreads new connections over their listeners.
+            reuse_port=self._reuse_port or None,
         )
         sockets = self._server.sockets
         self.bound_port = int(sockets[0].getsockname()[1]) if sockets else self._port
@@ -861,6 +870,7 @@ async def serve(
     registry: CollectorRegistry | None = None,
     backlog: int = 1024,
     shutdown_timeout_s: float = 60.0,
+    reuse_port: bool = False,
 ) -> FrontDoor:
     """Listen on `host:port` with `app` behind the front door's rules; `authorize(headers)`
     says whether a request carries a valid key (None: no keys exist). Raises the
@@ -910,7 +920,7 @@ async def serve(
             lingering_time=LINGERING_S,
         )
 
-    site = _Site(runner, host, port, protocol_factory, backlog)
+    site = _Site(runner, host, port, protocol_factory, backlog, reuse_port)
     door.runner, door.site = runner, site
     try:
         await site.start()

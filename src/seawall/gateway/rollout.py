@@ -11,6 +11,11 @@ flight on each one. Done surge-first it drops none:
 4. drain the old one: no new requests at once, in-flight streams finish (up to a
    deadline, counting any it had to cut), then SIGTERM, then SIGKILL after a grace.
 
+With several gateway instances (a cluster) the rollout runs on the leader, whose
+actuator starts and stops the replicas; the followers learn the new replicas and the
+drains from the published fleet view, the drain waits for every instance's requests, and
+the report counts every instance's answers (the figures each heartbeats: `Tally`).
+
 Works with an actuator that can start replicas (`LocalSupervisor.start_new`, i.e. under
 `seawall up`). On Kubernetes the Deployment's own rolling update does this
 (`maxSurge: 1, maxUnavailable: 0`, see deploy/kubernetes), with the gateway draining on
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +69,61 @@ class FleetOps(Protocol):
         self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
     ) -> DrainReport: ...
 
+    async def fleet_tallies(self, fresh_after_wall: float | None = None) -> Mapping[str, Tally]:
+        """Every live instance's `Tally` by instance name, this one's included; with
+        `fresh_after_wall`, once each peer has reported as of then (bounded)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """What one gateway instance has answered so far (cumulative, from its metrics): the
+    figures a rollout reports, summed over the instances."""
+
+    requests_failed: int = 0  # 5xx and 429 answered
+    streams_dropped: int = 0  # streams that started and ended with an error event
+    ttft_count: float = 0.0
+    ttft_sum_s: float = 0.0
+
+    def minus(self, earlier: Tally) -> Tally:
+        return Tally(
+            self.requests_failed - earlier.requests_failed,
+            self.streams_dropped - earlier.streams_dropped,
+            self.ttft_count - earlier.ttft_count,
+            self.ttft_sum_s - earlier.ttft_sum_s,
+        )
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.requests_failed + other.requests_failed,
+            self.streams_dropped + other.streams_dropped,
+            self.ttft_count + other.ttft_count,
+            self.ttft_sum_s + other.ttft_sum_s,
+        )
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Tally | None:
+        if not isinstance(data, dict):
+            return None
+        try:
+            return cls(
+                int(data["requests_failed"]),
+                int(data["streams_dropped"]),
+                float(data["ttft_count"]),
+                float(data["ttft_sum_s"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def tally(metrics: Metrics) -> Tally:
+    failed, dropped = _failure_counts(metrics)
+    count, total = _ttft_totals(metrics)
+    return Tally(failed, dropped, count, total)
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutOptions:
@@ -97,7 +157,8 @@ class RolloutReport:
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (old, new)
     failure: str = ""
     streams_cut_by_drains: int = 0
-    requests_failed: int = 0  # 5xx and 429 answered by the gateway during the rollout
+    # Over every gateway instance of the fleet (a cluster's followers included):
+    requests_failed: int = 0  # 5xx and 429 answered during the rollout
     streams_dropped: int = 0  # streams that started and ended with an error event
     ttft_mean_before_s: float | None = None
     ttft_mean_during_s: float | None = None
@@ -105,6 +166,8 @@ class RolloutReport:
     ready_min_during: int = 0
     duration_s: float = 0.0
     steps: list[str] = field(default_factory=list)
+    # The same two figures per instance (its name; "local" without a cluster).
+    instances: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,9 +192,10 @@ class Rollout:
     async def run(self) -> RolloutReport:
         rep = self.report
         started = clock.monotonic()
-        before = _failure_counts(self.gw)
-        ttft_count0, ttft_sum0 = _ttft_totals(self.gw)
-        rep.ttft_mean_before_s = ttft_sum0 / ttft_count0 if ttft_count0 else None
+        before = await self.gw.fleet_tallies()
+        fleet_before = sum(before.values(), Tally())
+        if fleet_before.ttft_count:
+            rep.ttft_mean_before_s = fleet_before.ttft_sum_s / fleet_before.ttft_count
         rep.ready_before = rep.ready_min_during = self._ready_count()
         watcher = asyncio.create_task(self._watch_ready())
         try:
@@ -150,12 +214,18 @@ class Rollout:
             self._step(f"stopped: {e}; the old replicas keep serving")
         finally:
             watcher.cancel()
-            after = _failure_counts(self.gw)
-            rep.requests_failed = after[0] - before[0]
-            rep.streams_dropped = after[1] - before[1]
-            count, total = _ttft_totals(self.gw)
-            if count > ttft_count0:
-                rep.ttft_mean_during_s = (total - ttft_sum0) / (count - ttft_count0)
+            # Every instance's answers up to now: its next report, not the one before.
+            after = await self.gw.fleet_tallies(fresh_after_wall=clock.wall())
+            during = {name: t.minus(before.get(name, Tally())) for name, t in after.items()}
+            fleet = sum(during.values(), Tally())
+            rep.requests_failed = fleet.requests_failed
+            rep.streams_dropped = fleet.streams_dropped
+            if fleet.ttft_count > 0:
+                rep.ttft_mean_during_s = fleet.ttft_sum_s / fleet.ttft_count
+            rep.instances = {
+                name: {"requests_failed": t.requests_failed, "streams_dropped": t.streams_dropped}
+                for name, t in sorted(during.items())
+            }
             rep.duration_s = clock.monotonic() - started
         return rep
 
@@ -249,25 +319,25 @@ class RolloutFailed(Exception):
     pass
 
 
-def _failure_counts(gw: FleetOps) -> tuple[int, int]:
+def _failure_counts(metrics: Metrics) -> tuple[int, int]:
     failed = 0
-    for metric in gw.metrics.requests.collect():
+    for metric in metrics.requests.collect():
         for s in metric.samples:
             if s.name.endswith("_total") and (
                 s.labels["status"].startswith("5") or s.labels["status"] == "429"
             ):
                 failed += int(s.value)
     dropped = 0
-    for metric in gw.metrics.stream_errors.collect():
+    for metric in metrics.stream_errors.collect():
         for s in metric.samples:
             if s.name.endswith("_total"):
                 dropped += int(s.value)
     return failed, dropped
 
 
-def _ttft_totals(gw: FleetOps) -> tuple[float, float]:
+def _ttft_totals(metrics: Metrics) -> tuple[float, float]:
     count = total = 0.0
-    for metric in gw.metrics.ttft.collect():
+    for metric in metrics.ttft.collect():
         for s in metric.samples:
             if s.name.endswith("_count"):
                 count += s.value
