@@ -15,6 +15,11 @@ configuration stays. Sections that need a restart are named and not applied.
 
 Logs go to stderr, as text or one JSON object per line (`--log-format`, or `logging:`
 in the file; the flag wins; see seawall/logs.py).
+
+With `--workers N`, N gateway processes serve the one port (SO_REUSEPORT) as one fleet:
+each is a cluster instance over a store the parent hosts (or the configured Redis), one
+of them elected leader; the parent supervises them and serves the one admin API
+(`gateway/workers.py`). SIGTERM drains every worker; SIGHUP reloads every worker.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seawall import logs
 from seawall.config import ConfigError, GatewayConfig, load_config, parse_config
+from seawall.gateway.workers import WorkerSpec
 
 if TYPE_CHECKING:
     from seawall.gateway.app import Gateway
@@ -38,6 +45,13 @@ log = logging.getLogger("seawall.gateway")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="gateway configuration file (YAML)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="N gateway processes on the one port, sharing one fleet (one elected leader "
+        "probes and acts); default: one process",
+    )
     p.add_argument(
         "--replica",
         action="append",
@@ -95,7 +109,9 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             "no replicas: pass --replica URL, list them under `replicas:` in --config, "
             "or configure fleet.discovery"
         )
-    return config
+    worker = WorkerSpec.from_env()
+    # A worker of `--workers` (at start and at every reload): the parent's port and store.
+    return worker.apply(config) if worker is not None else config
 
 
 class Reloader:
@@ -169,15 +185,22 @@ async def serve(
 ) -> int:
     from seawall.gateway.app import Gateway
 
+    worker = WorkerSpec.from_env()
     gw = Gateway(config, access_log=access_log)
-    port = await gw.start()
-    # Whatever the log level: with `port: 0`, this line is how a supervisor (or a test)
-    # learns the address. On stdout as text; as a record (so every line is one JSON
-    # object) with JSON logs.
-    say = _say_json if json_logs else _say_text
-    say(f"seawall gateway listening on http://{config.listen.host}:{port}")
-    if gw.admin is not None and gw.admin.port is not None:
-        say(f"seawall admin API listening on http://{config.admin.host}:{gw.admin.port}")
+    port = await gw.start(reuse_port=worker is not None)
+    admin_port = gw.admin.port if gw.admin is not None else None
+    if worker is not None:
+        # To the parent, which announces the one port and the one admin API itself.
+        sys.stdout.buffer.write(worker.ready_line(port, admin_port) + b"\n")
+        sys.stdout.flush()
+    else:
+        # Whatever the log level: with `port: 0`, this line is how a supervisor (or a
+        # test) learns the address. On stdout as text; as a record (so every line is
+        # one JSON object) with JSON logs.
+        say = _say_json if json_logs else _say_text
+        say(f"seawall gateway listening on http://{config.listen.host}:{port}")
+        if admin_port is not None:
+            say(f"seawall admin API listening on http://{config.admin.host}:{admin_port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -213,9 +236,26 @@ def run(args: argparse.Namespace) -> int:
         print("seawall serve: --watch-config needs a positive interval", file=sys.stderr)
         return 2
     access_log = config.logging.access_log and not args.no_access_log
-    try:
-        import uvloop
+    json_logs = log_format == "json"
+    main: Coroutine[Any, Any, int]
+    if args.workers is not None and WorkerSpec.from_env() is None:
+        if args.workers < 1:
+            print("seawall serve: --workers needs at least 1", file=sys.stderr)
+            return 2
+        from seawall.gateway.workers import supervise, worker_argv
 
-        return uvloop.run(serve(config, access_log, args, log_format == "json"))
-    except ImportError:
-        return asyncio.run(serve(config, access_log, args, log_format == "json"))
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        say = _say_json if json_logs else _say_text
+        main = supervise(config, args.workers, worker_argv(parser, args), say)
+    else:
+        main = serve(config, access_log, args, json_logs)
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(main)
+        return uvloop.run(main)
+    except OSError as e:  # the port is taken, the address is not ours, ...
+        print(f"seawall serve: cannot listen: {e}", file=sys.stderr)
+        return 1
