@@ -48,7 +48,7 @@ def test_an_unknown_field_is_named_with_the_allowed_ones() -> None:
     msg = error_for({"fleet": {"replica": 2}})
     assert "fleet.replica: unknown field" in msg
     assert "allowed: replicas, model, command, startup_allowance_s" in msg
-    assert "allowed: fleet, gateway, gateway_mode, traffic" in error_for({"fleeet": {}})
+    assert "allowed: fleet, gateway, gateway_mode, gateways, traffic" in error_for({"fleeet": {}})
     assert "traffic.rate: unknown field; allowed: concurrency" in error_for(
         {"traffic": {"rate": 3}}
     )
@@ -123,3 +123,10 @@ def test_an_actuator_that_cannot_reach_our_processes_is_refused() -> None:
     )
     with pytest.raises(UpConfigError, match=r"allowed: none$"):
         check_gateway_config(local_in_child, "fleet.yaml")
+
+
+def test_several_gateways_are_one_to_eight() -> None:
+    assert parse_up_config(None).gateways == 1
+    assert parse_up_config({"gateways": 2}).gateways == 2
+    assert "gateways" in error_for({"gateways": 0})
+    assert "gateways" in error_for({"gateways": 9})

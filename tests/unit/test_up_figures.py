@@ -12,6 +12,7 @@ from seawall.up.figures import (
     Crash,
     GatewayFigures,
     TrafficTally,
+    combine,
     crash_outcome,
     histogram_quantile,
     parse_gateway_metrics,
@@ -111,3 +112,13 @@ def test_a_crash_report_never_counts_more_than_was_in_flight() -> None:
     crash = Crash("r1", in_flight=2, streaming=2, before=gateway())
     out = crash_outcome(crash, gateway(failed=5, migrated=4))  # other trouble too
     assert (out.migrated, out.retried, out.failed) == (0, 0, 2)
+
+
+def test_several_gateways_counts_add_up() -> None:
+    a = GatewayFigures(10, 1, 2, 0, 0.02, 3, 1, {"r0": 2, "r1": 1})
+    b = GatewayFigures(5, 0, 1, 1, 0.05, 0, 0, {"r1": 4})
+    both = combine([a, b])
+    assert (both.requests_ok, both.requests_failed, both.requests_dropped) == (15, 1, 3)
+    assert (both.client_left, both.retries, both.migrations_ok) == (1, 3, 1)
+    assert both.inflight == {"r0": 2, "r1": 5}
+    assert combine([a]) == a

@@ -141,3 +141,20 @@ def test_a_restart_asked_for_during_a_backoff_is_not_shown() -> None:
     assert describe(ReplicaEvent("exited", s, "exited with code 1")) == (
         "r1 exited (exited with code 1)"
     )
+
+
+def test_the_other_gateways_are_shown_each_on_its_own() -> None:
+    snap = replace(
+        SNAP,
+        followers=(
+            ("gw-1", status("r8", "running", 108, restarts=1), "http://127.0.0.1:8090"),
+            ("gw-2", None, "http://127.0.0.1:8091"),
+        ),
+    )
+    line = plain_line(snap)
+    assert "gateway gw-1 running http://127.0.0.1:8090 pid 108 restarts 1" in line
+    assert "gateway gw-2 not started http://127.0.0.1:8091" in line
+    console = Console(width=200, record=True)
+    console.print(render(snap))
+    assert "gw-1 running http://127.0.0.1:8090" in console.export_text()
+    assert "gw-1" not in plain_line(SNAP)

@@ -198,6 +198,7 @@ class Rollout:
             rep.ttft_mean_before_s = fleet_before.ttft_sum_s / fleet_before.ttft_count
         rep.ready_before = rep.ready_min_during = self._ready_count()
         watcher = asyncio.create_task(self._watch_ready())
+        outcome = "running"  # the report says done or failed only once its figures are in
         try:
             snap = self.gw.replicas.snapshot()
             # Replicas an operator holds out of routing are not the rollout's to replace.
@@ -208,9 +209,9 @@ class Rollout:
             ]
             for i in range(0, len(olds), self.opts.max_surge):
                 await self._replace(olds[i : i + self.opts.max_surge])
-            rep.state = "done"
+            outcome = "done"
         except RolloutFailed as e:
-            rep.state, rep.failure = "failed", str(e)
+            outcome, rep.failure = "failed", str(e)
             self._step(f"stopped: {e}; the old replicas keep serving")
         finally:
             watcher.cancel()
@@ -227,6 +228,7 @@ class Rollout:
                 for name, t in sorted(during.items())
             }
             rep.duration_s = clock.monotonic() - started
+            rep.state = outcome
         return rep
 
     async def _watch_ready(self) -> None:

@@ -2,6 +2,7 @@
 
     seawall up --demo                  3 sim replicas + gateway + traffic + status page, 60 s
     seawall up --config fleet.yaml     your fleet (see examples/fleet.yaml), until Ctrl-C
+    seawall up --demo --gateways 2     the same with two gateway instances, one fleet
 
 Ctrl-C or SIGTERM stops the traffic, lets the gateway drain, stops every replica, and
 prints a summary. With stdout not a terminal, one plain line per second replaces the
@@ -17,7 +18,13 @@ import tempfile
 from pathlib import Path
 
 from seawall.auth import hash_key, new_key
-from seawall.up.config import UpConfigError, check_gateway_config, demo_config, load_up_config
+from seawall.up.config import (
+    UpConfigError,
+    check_gateway_config,
+    demo_config,
+    load_up_config,
+    parse_up_config,
+)
 from seawall.up.runner import Session, run_session
 
 
@@ -46,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gateway-port", type=int, metavar="PORT", help="default: a free port")
     p.add_argument(
+        "--gateways",
+        type=int,
+        metavar="N",
+        help="N gateway instances sharing one fleet (the first leads; default: the "
+        "config's `gateways`, 1); traffic is split over them",
+    )
+    p.add_argument(
         "--log-dir",
         metavar="DIR",
         help="logs and the restart ledger (default: a new temp dir). Reusing a dir keeps "
@@ -64,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
             if args.demo
             else load_up_config(args.config)
         )
+        if args.gateways is not None:
+            config = parse_up_config(
+                {**config.model_dump(exclude_unset=True), "gateways": args.gateways},
+                "--gateways",
+            )
         check_gateway_config(config, "demo" if args.demo else args.config)
     except UpConfigError as e:
         print(f"seawall up: {e}", file=sys.stderr)

@@ -85,6 +85,11 @@ class UpConfig(_Strict):
     # cordons through the local supervisor; process: `seawall serve` as a child process,
     # whose monitor can only route around (its fleet.actuator must be none)
     gateway_mode: Literal["in-process", "process"] = "in-process"
+    # Gateway instances over the fleet, one cluster (`seawall.cluster`) through a store
+    # `up` hosts. In-process: the first is the leader (it owns the supervisor: restarts,
+    # cordons, rollouts); the others are `seawall serve` processes that follow its view
+    # and never lead. Process: all are processes, any may lead, `up`'s own monitor acts.
+    gateways: Annotated[int, Field(ge=1, le=8)] = 1
     traffic: TrafficConfig | None = None  # null = no traffic of our own
 
 

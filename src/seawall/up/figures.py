@@ -86,6 +86,25 @@ class GatewayFigures:
     inflight: dict[str, int] = field(default_factory=dict)  # replica -> requests on it now
 
 
+def combine(figures: list[GatewayFigures]) -> GatewayFigures:
+    """Several gateways' counts as one: sums, and in flight per replica summed; the TTFT
+    estimate is the first's (histograms are not kept here to merge)."""
+    inflight: dict[str, int] = {}
+    for f in figures:
+        for rid, n in f.inflight.items():
+            inflight[rid] = inflight.get(rid, 0) + n
+    return GatewayFigures(
+        requests_ok=sum(f.requests_ok for f in figures),
+        requests_failed=sum(f.requests_failed for f in figures),
+        requests_dropped=sum(f.requests_dropped for f in figures),
+        client_left=sum(f.client_left for f in figures),
+        ttft_p50_s=figures[0].ttft_p50_s,
+        retries=sum(f.retries for f in figures),
+        migrations_ok=sum(f.migrations_ok for f in figures),
+        inflight=inflight,
+    )
+
+
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     """Prometheus' `histogram_quantile`: linear within the bucket holding the rank.
     `buckets` are (upper bound, cumulative count), any order; +Inf included."""

@@ -7,6 +7,14 @@ reading the gateway's figures (from its metrics registry, or its `/metrics`).
 
 Must not: draw anything (that is `view.py`) or generate traffic (`seawall.loadgen`).
 
+Several gateway instances (`gateways: N`, `--gateways N`): one cluster over a store `up`
+hosts (a `StoreServer` on a private Unix socket; the user's `cluster.store: redis`
+instead, if configured). In-process, the first gateway runs here and leads (its actuator
+is the supervisor: restarts, cordons and rollouts act on our processes); the others are
+`GatewayProcess`es with `cluster.may_lead: false` that follow its published view (the
+replicas a rollout adds, the drains, the states) and report their in-flight counts and
+answers to it. As processes, every one may lead and `up`'s own monitor acts.
+
 Two ways to run the gateway, one interface (`GatewayRunner`):
 - `InProcessGateway` (default): the gateway in this process, with the `LocalSupervisor`
   as its fleet monitor's actuator, so the monitor's decisions (restart a hung replica,
@@ -27,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,11 +52,12 @@ from seawall.actuate.local import (
     ReplicaStatus,
     free_loopback_port,
 )
+from seawall.cluster.local import StoreServer
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.up.config import UpConfig, gateway_config, python_argv
-from seawall.up.figures import GatewayFigures, ReplicaLoad, parse_gateway_metrics
+from seawall.up.figures import GatewayFigures, ReplicaLoad, combine, parse_gateway_metrics
 
 HOST = "127.0.0.1"
 GATEWAY_STARTUP_S = 60.0  # `seawall serve` that is not healthy by then is restarted
@@ -144,15 +155,25 @@ class GatewayRunner(Protocol):
 
 
 class GatewayProcess:
-    """`seawall serve` as a supervised child process on a loopback port."""
+    """`seawall serve` as a supervised child process on a loopback port. `name` is its
+    process (and log) name; a follower of several gets its own admin port."""
 
-    def __init__(self, base_config: dict[str, Any], log_dir: Path, port: int | None) -> None:
+    def __init__(
+        self,
+        base_config: dict[str, Any],
+        log_dir: Path,
+        port: int | None,
+        name: str = "gateway",
+        admin_port: int | None = None,
+    ) -> None:
         self.base_config = base_config
         self.log_dir = log_dir
+        self.name = name
         listen = base_config.get("listen") or {}
         self.port = port or int(listen.get("port") or 0) or free_loopback_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
-        self.config_path = log_dir / "gateway.yaml"
+        self.admin_port = admin_port
+        self.config_path = log_dir / f"{name}.yaml"
         drain = base_config.get("drain") or {}
         # The gateway drains on SIGTERM; give it its drain time before SIGKILL.
         grace_s = float(drain.get("timeout_s") or 30.0) + 5.0
@@ -180,7 +201,7 @@ class GatewayProcess:
             try:
                 async with self._http().get(self.url + "/healthz") as resp:
                     if resp.status == 200:
-                        self.supervisor.mark_serving("gateway")
+                        self.supervisor.mark_serving(self.name)
                         return
             except (aiohttp.ClientError, TimeoutError, OSError):
                 pass
@@ -191,9 +212,12 @@ class GatewayProcess:
     async def start(self, replicas: list[dict[str, str]]) -> None:
         merged = gateway_config(self.base_config, replicas, HOST, self.port)
         merged["fleet"] = _fleet_section(merged, self.log_dir, actuator="none")
+        admin = merged.get("admin") or {}
+        if self.admin_port is not None and admin.get("enabled"):
+            merged["admin"] = {**admin, "host": HOST, "port": self.admin_port}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(merged, sort_keys=False))
-        await self.supervisor.start_new("gateway", replica_id="gateway", port=self.port)
+        await self.supervisor.start_new(self.name, replica_id=self.name, port=self.port)
 
     def status(self) -> ReplicaStatus | None:
         statuses = self.supervisor.replicas()
@@ -235,10 +259,18 @@ class GatewayProcess:
     def in_flight(self, replica_id: str) -> tuple[int, int] | None:
         return None
 
-    def status_url(self) -> str:
+    def admin_url(self) -> str:
         admin = self.base_config.get("admin") or {}
-        port = int(admin.get("port") or 0) if admin.get("enabled") else 0
-        return f"http://{admin.get('host') or HOST}:{port}/status" if port else ""
+        if not admin.get("enabled"):
+            return ""
+        if self.admin_port is not None:
+            return f"http://{HOST}:{self.admin_port}"
+        port = int(admin.get("port") or 0)
+        return f"http://{admin.get('host') or HOST}:{port}" if port else ""
+
+    def status_url(self) -> str:
+        url = self.admin_url()
+        return f"{url}/status" if url else ""
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -351,8 +383,10 @@ class InProcessGateway:
     def in_flight(self, replica_id: str) -> tuple[int, int] | None:
         if self.gateway is None:
             return None
-        counts = self.gateway.ledger.counts(replica_id)
-        return counts.requests, counts.streams
+        # The monitor's signals: this gateway's own ledger, plus, with several gateways,
+        # what the others last reported.
+        signals = self.gateway.monitor.signals
+        return signals.requests_in_flight(replica_id), signals.streams_in_flight(replica_id)
 
     def status_url(self) -> str:
         admin = self.gateway.admin if self.gateway is not None else None
@@ -402,7 +436,7 @@ async def _readyz(http: aiohttp.ClientSession, url: str) -> bool:
 
 
 class LocalFleet:
-    """Replicas (and the gateway, when configured and available) for `seawall up`."""
+    """Replicas (and the gateways, when configured and available) for `seawall up`."""
 
     def __init__(self, config: UpConfig, log_dir: Path, gateway_port: int | None = None) -> None:
         self.config = config
@@ -416,52 +450,98 @@ class LocalFleet:
             stop_grace_s=f.stop_grace_s,
         )
         self.gateway: GatewayRunner | None = None
+        self.followers: list[GatewayProcess] = []  # the other gateway instances
         self.monitor: FleetMonitor | None = None  # `up`'s own, when no gateway's judges
+        self.store: StoreServer | None = None  # the cluster's, with several gateways
+        self._store_dir: Path | None = None
         self.gateway_note = ""
-        if config.gateway is None:
+        base = config.gateway
+        if base is None:
             self.gateway_note = "(no gateway: gateway is null in the config)"
         elif not gateway_available():
             self.gateway_note = "(gateway not yet available)"
-        elif config.gateway_mode == "process":
-            self.gateway = GatewayProcess(config.gateway, log_dir, gateway_port)
         else:
-            self.gateway = InProcessGateway(
-                config.gateway,
-                self.supervisor,
-                log_dir,
-                gateway_port,
-                f.startup_allowance_s,
-                f.health_path,
-            )
+            in_process = config.gateway_mode == "in-process"
+            first = self._instance(base, 0, may_lead=True)
+            if in_process:
+                self.gateway = InProcessGateway(
+                    first,
+                    self.supervisor,
+                    log_dir,
+                    gateway_port,
+                    f.startup_allowance_s,
+                    f.health_path,
+                )
+            else:
+                name = "gateway" if config.gateways == 1 else "gw-0"
+                self.gateway = GatewayProcess(first, log_dir, gateway_port, name)
+            admin_enabled = bool((base.get("admin") or {}).get("enabled"))
+            for i in range(1, config.gateways):
+                # In-process, only the first owns the supervisor: the others follow.
+                self.followers.append(
+                    GatewayProcess(
+                        self._instance(base, i, may_lead=not in_process),
+                        log_dir,
+                        None,
+                        f"gw-{i}",
+                        admin_port=free_loopback_port(HOST) if admin_enabled else None,
+                    )
+                )
         if not isinstance(self.gateway, InProcessGateway):
             self.monitor = _own_monitor(config, self.supervisor, log_dir)
             MonitorFeed(self.monitor, self.supervisor).attach()
 
+    def _instance(self, base: dict[str, Any], index: int, may_lead: bool) -> dict[str, Any]:
+        """Gateway `index`'s config: with several, a cluster instance named gw-<index>
+        over the store `up` hosts (or the configured one)."""
+        if self.config.gateways == 1:
+            return base
+        cluster = dict(base.get("cluster") or {})
+        if cluster.get("store", "none") == "none":
+            if self._store_dir is None:
+                # Short (a Unix socket path is limited to about 100 bytes), ours only.
+                self._store_dir = Path(tempfile.mkdtemp(prefix="seawall-up-"))
+                self.store = StoreServer(self._store_dir / "cluster.sock")
+            assert self.store is not None
+            cluster.update(store="local", local_socket=str(self.store.path))
+        cluster.update(instance_id=f"gw-{index}", may_lead=may_lead)
+        return {**base, "cluster": cluster}
+
+    @property
+    def gateways(self) -> list[GatewayRunner]:
+        return [*([self.gateway] if self.gateway is not None else []), *self.followers]
+
     async def start(self) -> None:
-        """Start the replicas, then the gateway pointed at them; returns without waiting
+        """Start the replicas, then the gateways pointed at them; returns without waiting
         for either to be ready (see `wait_ready`)."""
         f = self.config.fleet
+        if self.store is not None:
+            await self.store.start()
         if self.monitor is not None:
             await self.monitor.start()
         refs = await self.supervisor.start(f.model, f.replicas)
-        if self.gateway is not None:
-            await self.gateway.start(
-                [
-                    {
-                        "url": r.url,
-                        "model": r.model,
-                        "id": r.replica_id,
-                        **({"node": r.node} if r.node else {}),
-                    }
-                    for r in refs
-                ]
-            )
+        replicas = [
+            {
+                "url": r.url,
+                "model": r.model,
+                "id": r.replica_id,
+                **({"node": r.node} if r.node else {}),
+            }
+            for r in refs
+        ]
+        for gw in self.gateways:
+            await gw.start(replicas)
 
     def target_urls(self) -> list[str]:
-        """Where traffic goes: the gateway, or each replica directly when there is none."""
+        """Where traffic goes: the gateways, or each replica directly when there is none."""
         if self.gateway is not None:
-            return [self.gateway.url]
+            return [gw.url for gw in self.gateways]
         return [s.url for s in self.supervisor.replicas()]
+
+    async def figures(self) -> GatewayFigures | None:
+        """Every gateway's own count, summed (None until the first one answers)."""
+        found = [f for f in [await gw.figures() for gw in self.gateways] if f is not None]
+        return combine(found) if found else None
 
     def replicas(self) -> list[ReplicaStatus]:
         return self.supervisor.replicas()
@@ -488,35 +568,46 @@ class LocalFleet:
         return out
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
-        """Process events from the replicas and the gateway process."""
+        """Process events from the replicas and the gateway processes."""
         self.supervisor.subscribe(listener)
-        if self.gateway is not None:
-            self.gateway.subscribe(listener)
+        for gw in self.gateways:
+            gw.subscribe(listener)
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """Every replica running and, with a gateway, the gateway ready to route."""
+        """Every replica running and, with gateways, every gateway ready to route."""
         deadline = clock.monotonic() + timeout_s
         if not await self.supervisor.wait_running(timeout_s):
             return False
-        while self.gateway is not None and not await self.gateway.ready():
-            if clock.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.1)
+        for gw in self.gateways:
+            while not await gw.ready():
+                if clock.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.1)
         return True
 
     def all_pids(self) -> list[int]:
-        gateway_pids = self.gateway.pids() if self.gateway is not None else []
+        gateway_pids = [pid for gw in self.gateways for pid in gw.pids()]
         return [*self.supervisor.all_pids(), *gateway_pids]
 
     async def close(self) -> None:
-        """Gateway first (it drains what is in flight), then our monitor (so that it
-        does not act on the replicas stopping), then the replicas."""
+        """Gateways first (they drain what is in flight; the followers before the one
+        they follow), then our monitor (so that it does not act on the replicas
+        stopping), then the replicas, then the store."""
         try:
-            if self.gateway is not None:
-                await self.gateway.close()
+            try:
+                await asyncio.gather(*(gw.close() for gw in self.followers))
+            finally:
+                if self.gateway is not None:
+                    await self.gateway.close()
         finally:
             try:
                 if self.monitor is not None:
                     await self.monitor.stop()
             finally:
-                await self.supervisor.close()
+                try:
+                    await self.supervisor.close()
+                finally:
+                    if self.store is not None:
+                        await self.store.close()
+                    if self._store_dir is not None:
+                        shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -166,6 +166,7 @@ class Session:
             loads=self.fleet.loads(self.gateway_figures),
             status_url=gw.status_url() if gw is not None else "",
             crashes=tuple(self.crash_reports),
+            followers=tuple((f.name, f.status(), f.url) for f in self.fleet.followers),
         )
 
     async def _tick(self) -> None:
@@ -188,7 +189,7 @@ class Session:
             if since_s >= 0:
                 await self._demo_crash(force=since_s >= CRASH_WAIT_S)
         if self.fleet.gateway is not None:
-            self.gateway_figures = await self.fleet.gateway.figures() or self.gateway_figures
+            self.gateway_figures = await self.fleet.figures() or self.gateway_figures
         if self.crash is not None:
             self._report_crash()
 
@@ -208,7 +209,7 @@ class Session:
         counts = in_flight[victim.replica_id]
         if counts is not None and counts[1] == 0 and not force:
             return  # no stream to save yet: a crash now would show nothing
-        before = await gw.figures() if gw is not None else None
+        before = await self.fleet.figures() if gw is not None else None
         self.crashed = True
         if not await crash_replica(victim.url):
             return
@@ -280,6 +281,10 @@ class Session:
             if url := gw.status_url():
                 token = f"#token={self.admin_token}" if self.admin_token else ""
                 print(f"seawall up: status page {url}{token}", flush=True)
+        role = "follower" if self.config.gateway_mode == "in-process" else "may lead"
+        for f in self.fleet.followers:
+            admin = f", admin API {f.admin_url()}" if f.admin_url() else ""
+            print(f"seawall up: gateway {f.name} ({role}) on {f.url}{admin}", flush=True)
         while not self.stop.is_set():
             left_s = self.seconds - self._elapsed() if self.seconds else TICK_S
             if left_s <= 0:
@@ -295,7 +300,7 @@ class Session:
             if self.traffic is not None:
                 await self.traffic.stop()
             if self.fleet.gateway is not None:
-                self.gateway_figures = await self.fleet.gateway.figures() or self.gateway_figures
+                self.gateway_figures = await self.fleet.figures() or self.gateway_figures
             final = self.snapshot()
         finally:
             await self.fleet.close()

@@ -36,6 +36,8 @@ class UpSnapshot:
     status_url: str = ""  # the admin API's status page, when it runs
     crashes: tuple[str, ...] = ()  # what became of the requests on each demo crash
     title: str = "seawall up"
+    # The other gateway instances (`--gateways N`): name, process status, URL.
+    followers: tuple[tuple[str, ReplicaStatus | None, str], ...] = ()
 
 
 def ms(value_s: float | None) -> str:
@@ -94,10 +96,20 @@ def load_cells(load: ReplicaLoad | None) -> tuple[str, str, str]:
 def gateway_state(snap: UpSnapshot) -> str:
     if snap.gateway is None:
         return snap.gateway_note or "(no gateway)"
-    g = snap.gateway
+    return _process_state(snap.gateway, snap.gateway_url)
+
+
+def _process_state(g: ReplicaStatus | None, url: str) -> str:
+    if g is None:
+        return f"not started {url}"
     pid = f" pid {g.pid}" if g.pid else ""
     note = f" ({g.reason})" if g.reason else ""
-    return f"{g.state} {snap.gateway_url}{pid} restarts {g.restarts}{note}"
+    return f"{g.state} {url}{pid} restarts {g.restarts}{note}"
+
+
+def follower_states(snap: UpSnapshot) -> list[str]:
+    """One text per other gateway instance: `gw-1 running http://... pid N restarts 0`."""
+    return [f"{name} {_process_state(status, url)}" for name, status, url in snap.followers]
 
 
 def render(snap: UpSnapshot) -> RenderableType:
@@ -129,6 +141,8 @@ def render(snap: UpSnapshot) -> RenderableType:
         )
     lines: list[RenderableType] = [table]
     lines.append(Text(f"gateway  {gateway_state(snap)}"))
+    for text in follower_states(snap):
+        lines.append(Text(f"         {text}"))
     if snap.status_url:
         lines.append(Text(f"status   {snap.status_url}"))
     if snap.gateway_figures is not None:
@@ -161,6 +175,7 @@ def plain_line(snap: UpSnapshot) -> str:
         f"t={duration(snap.elapsed_s)}",
         f"replicas {running_count(snap.replicas)}/{len(snap.replicas)} running: {replicas}",
         f"gateway {gateway_state(snap)}",
+        *(f"gateway {text}" for text in follower_states(snap)),
     ]
     if snap.gateway_figures is not None:
         parts.append(f"gateway {gateway_text(snap.gateway_figures, snap.traffic is None)}")
