@@ -1,12 +1,16 @@
-"""The shipped Kubernetes manifests, as applied, share one tenant's limit across the
-three gateway pods through Redis.
+"""The shipped Kubernetes manifests, as applied, make one fleet of the gateway pods and
+an actuator pod, sharing one tenant's limit and the fleet's state through Redis.
 
 Three real `seawall serve` processes load the ConfigMap's own `gateway.yaml` with the
-environment the gateway Deployment gives its pods. The only changes are the ones a
-loopback run needs: listen on 127.0.0.1 and a free port, list the sims as replicas
-instead of discovering them through the API server, keep the ledger in the test's
-folder, and point `SEAWALL_REDIS_URL` at a real redis-server on loopback. Requests go
-round-robin to the three, as the Service spreads them.
+environment the gateway Deployment gives its pods, and one more with the actuator
+Deployment's. The only changes are the ones a loopback run needs: listen on 127.0.0.1
+and a free port (the admin API on port 0), list the sims as replicas instead of
+discovering them through the API server, elect through the Redis instead of a Lease
+and act through no actuator (there is no API server here; the Lease election runs in
+test_cluster_kubernetes.py against a loopback one), give each pod its name and
+127.0.0.1 for the downward API, and point `SEAWALL_REDIS_URL` at a real redis-server
+on loopback. Requests go round-robin to the three serving pods, as the Service spreads
+them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 import yaml
 
 from seawall.auth import hash_key, new_key
-from tests.support.fleet import MODEL, running, start_sim
+from tests.support.fleet import MODEL, running, start_sim, wait_until
 from tests.support.procs import REPO, Proc, free_port, seawall_argv, spawn, wait_http
 from tests.support.redis_server import RedisServer
 
@@ -36,26 +40,33 @@ def _objects(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
 
 
-def _gateway_env(redis_url: str, key_hash: str) -> dict[str, str]:
-    [deployment] = [d for d in _objects("gateway.yaml") if d["kind"] == "Deployment"]
+def _pod_env(file: str, pod: str, redis_url: str, key_hash: str) -> dict[str, str]:
+    [deployment] = [d for d in _objects(file) if d["kind"] == "Deployment"]
     env = {}
     for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
         if "value" in e:
             env[e["name"]] = e["value"]
-        else:  # the tenant key hash, from the seawall-tenant-keys Secret
+        elif "fieldRef" in e["valueFrom"]:  # the downward API
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            env[e["name"]] = {"metadata.name": pod, "status.podIP": "127.0.0.1"}[path]
+        else:  # a key hash, from the seawall-tenant-keys Secret
             env[e["name"]] = key_hash
     assert env["SEAWALL_REDIS_URL"].startswith("redis://seawall-redis.")
-    env["SEAWALL_REDIS_URL"] = redis_url  # the one substitution in the environment
+    env["SEAWALL_REDIS_URL"] = redis_url
+    if env["SEAWALL_ACTUATOR"] == "kubernetes":
+        env["SEAWALL_ACTUATOR"] = "none"  # no API server to act through here
     return env
 
 
-def _loopback_config(port: int, sims: list[Proc], ledger: Path) -> dict[str, Any]:
+def _loopback_config(port: int, sims: list[Proc]) -> dict[str, Any]:
     [cm] = _objects("gateway-config.yaml")
     config: dict[str, Any] = yaml.safe_load(cm["data"]["gateway.yaml"])
     config["listen"] = {"host": "127.0.0.1", "port": port}
+    config["admin"]["port"] = 0
+    assert config["cluster"]["election"] == "kubernetes"
+    config["cluster"]["election"] = "store"  # no API server for a Lease here
     fleet = config["fleet"]
     assert fleet.pop("discovery")["mode"] == "endpointslices"
-    fleet["ledger_path"] = str(ledger)
     config["replicas"] = [
         {"url": s.url, "model": MODEL, "id": f"sim{i}", "node": f"node-{i}"}
         for i, s in enumerate(sims)
@@ -68,26 +79,40 @@ def test_one_tenants_limit_holds_across_three_gateways(
 ) -> None:
     key = new_key()
     sims = [start_sim(artifacts, name=f"sim{i}") for i in range(2)]
-    gateways: list[Proc] = []
-    env = _gateway_env(redis_server.url, hash_key(key))
-    for i in range(GATEWAYS):
+    pods: list[Proc] = []
+    for file, pod in [
+        ("actuator.yaml", "seawall-actuator-0"),
+        *(("gateway.yaml", f"seawall-gateway-{i}") for i in range(GATEWAYS)),
+    ]:
         port = free_port()
-        path = artifacts / f"gateway-{i}.yaml"
-        config = _loopback_config(port, sims, artifacts / f"ledger-{i}.sqlite")
+        path = artifacts / f"{pod}.yaml"
+        config = _loopback_config(port, sims)
         path.write_text(yaml.safe_dump(config))
-        gateways.append(
+        pods.append(
             spawn(
                 seawall_argv("serve", "--config", str(path), "--no-access-log"),
-                artifacts / f"gateway-{i}.log",
+                artifacts / f"{pod}.log",
                 port=port,
-                env=env,
+                env=_pod_env(file, pod, redis_server.url, hash_key(key)),
             )
         )
+    actuator, gateways = pods[0], pods[1:]
     limit = int(config["tiers"][config["tenants"]["example"]["tier"]]["requests_per_min"])
     attempts = 2 * limit
-    with running(*gateways, *sims), httpx.Client(timeout=30) as client:
-        for gw in gateways:
+    with running(*pods, *sims), httpx.Client(timeout=30) as client:
+        for gw in pods:
             wait_http(gw.url + "/readyz?fleet=1", timeout=30, proc=gw)
+        # One fleet of four: the actuator pod leads, every serving pod follows it.
+        for gw in pods:
+            wait_until(
+                lambda gw=gw: client.get(gw.url + "/readyz").json()["cluster"]["instances"] == 4,
+                15,
+                what=f"four instances seen by {gw.url}",
+            )
+        roles = {gw.url: client.get(gw.url + "/readyz").json()["cluster"] for gw in pods}
+        assert roles[actuator.url]["role"] == "leader", roles
+        assert all(roles[gw.url]["role"] == "follower" for gw in gateways), roles
+        assert {c["leader"] for c in roles.values()} == {"seawall-actuator-0"}
         headers = {"Authorization": f"Bearer {key}"}
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
         admitted: dict[str, int] = {gw.url: 0 for gw in gateways}

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 import seawall.actuate.kubernetes
+import seawall.cluster.kube
 import seawall.fleet.discovery
 import seawall.gateway.app
 from seawall import envref
@@ -80,6 +81,8 @@ def pod_env(deployment: dict[str, Any]) -> dict[str, str]:
     for e in container(deployment).get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
+        elif "fieldRef" in e["valueFrom"]:
+            env[e["name"]] = f"<{e['valueFrom']['fieldRef']['fieldPath']}>"
         else:
             assert e["valueFrom"]["secretKeyRef"]["name"] == "seawall-tenant-keys"
             env[e["name"]] = EXAMPLE_KEY_HASH
@@ -112,7 +115,7 @@ def test_the_config_references_only_variables_every_pod_sets() -> None:
     for name in ("seawall-gateway", "seawall-actuator"):
         env = pod_env(one("Deployment", name))
         envref.resolve(config_data(), env=env)  # raises on a variable the pod lacks
-    with pytest.raises(envref.EnvRefError, match="SEAWALL_REDIS_URL is not set"):
+    with pytest.raises(envref.EnvRefError, match=r"variable SEAWALL_\w+ is not set"):
         envref.resolve(config_data(), env={})
 
 
@@ -160,23 +163,60 @@ def test_limits_are_shared_through_the_redis_the_manifests_run() -> None:
         assert tenants and all(tiers[t.tier].requests_per_min for t in tenants.values())
 
 
-def test_only_the_actuator_acts_on_the_fleet() -> None:
-    gateway = config_in("seawall-gateway").fleet
-    actuator = config_in("seawall-actuator").fleet
-    assert gateway.actuator == "none"
-    assert actuator.actuator == "kubernetes"
+def test_one_elected_leader_acts_and_only_an_actuator_pod_can_be_it() -> None:
+    gateway = config_in("seawall-gateway")
+    actuator = config_in("seawall-actuator")
+    # The serving pods follow: no actuator, never a candidate.
+    assert gateway.fleet.actuator == "none" and gateway.cluster.may_lead is False
+    assert actuator.fleet.actuator == "kubernetes" and actuator.cluster.may_lead is True
     deployment = one("Deployment", "seawall-actuator")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # never two at once
+    # Two candidates (one node lost is one fail-over, not a fleet without a leader);
+    # a rolling update may run two at once: the Lease elects one.
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    pdb = one("PodDisruptionBudget", "seawall-actuator")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert 1 <= pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
     assert pod_spec(deployment)["serviceAccountName"] == "seawall-actuator"
     assert pod_spec(one("Deployment", "seawall-gateway"))["serviceAccountName"] == (
         "seawall-gateway"
     )
+    # The pods with the power take no client traffic.
     service_selectors = [
         o["spec"].get("selector", {}) for _, o in all_objects() if o["kind"] == "Service"
     ]
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert not any(s and s.items() <= labels.items() for s in service_selectors)
+
+
+@pytest.mark.parametrize("name", ["seawall-gateway", "seawall-actuator"])
+def test_every_instance_is_one_fleet_through_the_lease_and_the_shipped_redis(name: str) -> None:
+    deployment = one("Deployment", name)
+    namespace = deployment["metadata"]["namespace"]
+    cc = config_in(name).cluster
+    redis = one("Service", "seawall-redis")
+    host = f"{redis['metadata']['name']}.{redis['metadata']['namespace']}.svc"
+    assert cc.store == "redis"
+    assert cc.redis_url == f"redis://{host}:{redis['spec']['ports'][0]['port']}/0"
+    assert cc.election == "kubernetes"
+    assert cc.lease_namespace == namespace
+    # The instance is named after its pod and advertises an address other pods reach:
+    # the pod's IP, at the admin API's port (a follower forwards operator actions there).
+    fields = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container(deployment)["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
+    assert fields == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+    assert cc.instance_id is None and cc.advertise_admin_url is None  # so: $POD_NAME, $POD_IP
+    admin = config_in(name).admin
+    assert admin.enabled and admin.host == "0.0.0.0" and admin.token_hash
+    ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+    assert ports["admin"] == admin.port
+    # Nothing routes clients to the admin port.
+    for _, o in all_objects():
+        if o["kind"] == "Service":
+            assert all(p["targetPort"] != admin.port for p in o["spec"]["ports"])
 
 
 def test_vllm_probes_use_health_on_the_container_port_with_a_startup_sized_for_loading() -> None:
@@ -209,7 +249,7 @@ def test_vllm_has_requests_a_disruption_budget_and_spreads_across_nodes() -> Non
     )
 
 
-@pytest.mark.parametrize("name", ["vllm", "seawall-gateway"])
+@pytest.mark.parametrize("name", ["vllm", "seawall-gateway", "seawall-actuator"])
 def test_rollouts_never_remove_capacity_first(name: str) -> None:
     strategy = one("Deployment", name)["spec"]["strategy"]
     assert strategy["type"] == "RollingUpdate"
@@ -275,19 +315,43 @@ def test_seawall_images_are_the_one_the_dockerfile_builds() -> None:
 
 _VERBS = {"list": "list", "read": "get", "create": "create", "delete": "delete",
           "patch": "patch", "replace": "update", "watch": "watch"}  # fmt: skip
-_GROUPS = {"CoreV1Api": "", "DiscoveryV1Api": "discovery.k8s.io"}
+_GROUPS = {
+    "CoreV1Api": "",
+    "DiscoveryV1Api": "discovery.k8s.io",
+    "CoordinationV1Api": "coordination.k8s.io",
+}
 _CLUSTER_SCOPED = {"nodes"}
-Permission = tuple[str, str, str, str]  # (namespace or "*" for cluster, group, resource, verb)
+# Verbs on one named object (RBAC's resourceNames can narrow these, never create or list).
+_NAMED_VERBS = {"read", "replace", "patch", "delete"}
+# (namespace or "*" for cluster, group, resource, verb, resource name or "*" for any)
+Permission = tuple[str, str, str, str, str]
+ANY = "*"
 
 
 def _plural(snake: str) -> str:
     return snake.replace("_", "") + "s"
 
 
-def api_calls(module: Any, namespace: str) -> set[Permission]:
-    """The permissions the module's API calls need: `self.<attr>.<verb>_[namespaced_]<kind>(...)`
-    on attributes assigned a kubernetes_asyncio API class. A namespaced call's namespace
-    is its first argument: a module constant when it is one, else the deployment's."""
+def _source(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def api_calls(
+    module: Any,
+    namespace: str,
+    entry: tuple[str, ...] = (),
+    names: dict[str, str] | None = None,
+) -> set[Permission]:
+    """The permissions the module's API calls need: `self.<attr>.<verb>_[namespaced_]<kind>`
+    on attributes assigned a kubernetes_asyncio API class, called there or passed as the
+    first argument of a wrapper (`self._call(api.read_..., name, namespace)`).
+
+    A namespaced call's namespace argument (the first for list and create, the second
+    for calls on one object) is a module constant when it is one, else the deployment's.
+    The object's name is `names[source]` when the argument's source is in `names` (the
+    one Lease, `self.name`), else any. With `entry`, only the functions reachable from
+    those (through `self.<function>` references) count: what an instance that only
+    follows calls, against what a candidate calls."""
     tree = ast.parse(Path(module.__file__).read_text())
     constants = {
         t.id: n.value.value
@@ -304,27 +368,62 @@ def api_calls(module: Any, namespace: str) -> set[Permission]:
                 for t in n.targets:
                     if isinstance(t, ast.Attribute):
                         apis[t.attr] = _GROUPS[func.attr]
+    functions = {
+        f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    scanned: list[ast.AST] = [tree]
+    if entry:
+        reached, todo = set(entry), list(entry)
+        while todo:
+            for n in ast.walk(functions[todo.pop()]):
+                if (
+                    isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"
+                    and n.attr in functions
+                    and n.attr not in reached
+                ):
+                    reached.add(n.attr)
+                    todo.append(n.attr)
+        scanned = [functions[name] for name in reached]
+
+    def api_method(node: ast.AST) -> ast.Attribute | None:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in apis
+        ):
+            return node
+        return None
+
     found: set[Permission] = set()
-    for n in ast.walk(tree):
-        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
-            continue
-        owner = n.func.value
-        if not (isinstance(owner, ast.Attribute) and owner.attr in apis):
-            continue
-        m = re.fullmatch(r"([a-z]+)_(namespaced_)?([a-z_]+)", n.func.attr)
-        assert m and m.group(1) in _VERBS, n.func.attr
-        resource = _plural(m.group(3))
-        ns = "*"
-        if m.group(2):
-            first = n.args[0]
-            ns = (
-                constants[first.id]
-                if isinstance(first, ast.Name) and first.id in constants
-                else namespace
-            )
-        else:
-            assert resource in _CLUSTER_SCOPED, n.func.attr
-        found.add((ns, apis[owner.attr], resource, _VERBS[m.group(1)]))
+    for root in scanned:
+        for n in ast.walk(root):
+            if not isinstance(n, ast.Call):
+                continue
+            method, args = api_method(n.func), n.args
+            if method is None and n.args:
+                method, args = api_method(n.args[0]), n.args[1:]
+            if method is None:
+                continue
+            m = re.fullmatch(r"([a-z]+)_(namespaced_)?([a-z_]+)", method.attr)
+            assert m and m.group(1) in _VERBS, method.attr
+            verb, resource = m.group(1), _plural(m.group(3))
+            on_one = verb in _NAMED_VERBS
+            name = ANY
+            if on_one and (names or {}).get(_source(args[0])):
+                name = (names or {})[_source(args[0])]
+            ns = ANY
+            if m.group(2):
+                arg = args[1 if on_one else 0]
+                ns = (
+                    constants[arg.id]
+                    if isinstance(arg, ast.Name) and arg.id in constants
+                    else namespace
+                )
+            else:
+                assert resource in _CLUSTER_SCOPED, method.attr
+            found.add((ns, apis[method.value.attr], resource, _VERBS[verb], name))
     return found
 
 
@@ -347,7 +446,8 @@ def granted(service_account: str, namespace: str) -> set[Permission]:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     for verb in rule["verbs"]:
-                        out.add((where, group, resource, verb))
+                        for name in rule.get("resourceNames", [ANY]):
+                            out.add((where, group, resource, verb, name))
     return out
 
 
@@ -357,22 +457,44 @@ def _namespace() -> str:
     return fleet.discovery.namespace
 
 
+def lease_calls(entry: tuple[str, ...]) -> set[Permission]:
+    cc = config_in("seawall-gateway").cluster
+    return api_calls(
+        seawall.cluster.kube, cc.lease_namespace, entry=entry, names={"self.name": cc.lease_name}
+    )
+
+
+CANDIDATE = ("acquire", "release", "leader")  # what the role manager calls on its elector
+FOLLOWER = ("leader",)  # with cluster.may_lead: false, only this (tests/unit/test_cluster_roles)
+
+
 def test_the_call_scanner_sees_the_calls() -> None:
-    # Guards the derivation below: it must find what the actuator really does.
+    # Guards the derivation below: it must find what the actuator and elector really do.
     calls = api_calls(seawall.actuate.kubernetes, "seawall")
-    assert ("seawall", "", "pods", "delete") in calls
-    assert ("*", "", "nodes", "patch") in calls
-    assert ("default", "", "events", "create") in calls
+    assert ("seawall", "", "pods", "delete", ANY) in calls
+    assert ("*", "", "nodes", "patch", ANY) in calls
+    assert ("default", "", "events", "create", ANY) in calls
+    lease = ("seawall", "coordination.k8s.io", "leases")
+    assert lease_calls(CANDIDATE) == {
+        (*lease, "get", "seawall-fleet-leader"),
+        (*lease, "update", "seawall-fleet-leader"),
+        (*lease, "create", ANY),  # a create names no existing object: RBAC cannot narrow it
+    }
+    assert lease_calls(FOLLOWER) == {(*lease, "get", "seawall-fleet-leader")}
 
 
-def test_serving_gateways_get_exactly_what_discovery_calls() -> None:
+def test_serving_gateways_may_read_the_lease_and_nothing_else() -> None:
     ns = _namespace()
-    assert granted("seawall-gateway", ns) == api_calls(seawall.fleet.discovery, ns)
+    assert granted("seawall-gateway", ns) == lease_calls(FOLLOWER)
 
 
-def test_the_actuator_gets_exactly_what_the_actuator_and_discovery_call() -> None:
+def test_the_actuator_gets_exactly_what_election_the_actuator_and_discovery_call() -> None:
     ns = _namespace()
-    needed = api_calls(seawall.actuate.kubernetes, ns) | api_calls(seawall.fleet.discovery, ns)
+    needed = (
+        api_calls(seawall.actuate.kubernetes, ns)
+        | api_calls(seawall.fleet.discovery, ns)
+        | lease_calls(CANDIDATE)
+    )
     assert granted("seawall-actuator", ns) == needed
 
 
