@@ -325,10 +325,14 @@ def start_gateway(name: str, config: dict[str, Any], *args: str) -> Gateway:
     argv = [sys.executable, "-m", "seawall", "serve", "--config", str(path)]
     argv += ["--no-access-log", "--log-level", "WARNING", *args]
     proc = Proc(name, argv, LOGS / f"{name}.log", env=seawall_env(), cwd=REPO)
-    port = int(wait_log(proc, _LISTENING, 90).group(1))
-    admin = int(wait_log(proc, _ADMIN, 10).group(1))
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}")
-    wait_http(gw.url + "/readyz?fleet=1", 60, proc)
+    try:
+        port = int(wait_log(proc, _LISTENING, 90).group(1))
+        admin = int(wait_log(proc, _ADMIN, 10).group(1))
+        gw = Gateway(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}")
+        wait_http(gw.url + "/readyz?fleet=1", 60, proc)
+    except BaseException:
+        proc.stop()  # a gateway that did not come up is not left behind
+        raise
     return gw
 
 
