@@ -280,8 +280,13 @@ def start_sims(name: str, args: argparse.Namespace, *extra: str) -> Sims:
         procs.append(
             Proc(f"{name}-sim{i}", argv, LOGS / f"{name}-sim{i}.log", env=seawall_env(), port=port)
         )
-    for p in procs:
-        wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
+    try:
+        for p in procs:
+            wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
     return Sims(procs, [CountingProxy(p.port or 0).start() for p in procs])
 
 
