@@ -24,6 +24,7 @@ import contextlib
 import hmac
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -39,6 +40,7 @@ from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway.admin import Admin
+from seawall.gateway.bulkhead import Bulkhead
 from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
@@ -57,9 +59,12 @@ from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.ledger import failure_domain
 from seawall.policy.retry_budget import RetryBudget
+from seawall.protocol.routes import ROUTES, Route
 from seawall.state.backends import open_limits_backend
 
 log = logging.getLogger("seawall.gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # After the drain deadline has cut what was left, how long the cut requests get to write
 # their last bytes (an error event and [DONE]) before the listener closes.
@@ -154,6 +159,7 @@ class Gateway:
             else None,
             fleet_load=self.fleet_load,
             on_ttft=self._observe_ttft,
+            bulkhead=Bulkhead.from_tiers(config.tiers),
         )
         relay = Relay(
             dispatcher=self.dispatcher,
@@ -319,11 +325,11 @@ class Gateway:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
         proxy = self.proxy
 
-        async def completions(request: web.Request) -> web.StreamResponse:
-            return await proxy.handle(request, "completions")
+        def handler(route: Route) -> Handler:
+            async def handle(request: web.Request) -> web.StreamResponse:
+                return await proxy.handle(request, route)
 
-        async def chat(request: web.Request) -> web.StreamResponse:
-            return await proxy.handle(request, "chat")
+            return handle
 
         async def method_not_allowed(request: web.Request) -> web.Response:
             return _error(
@@ -333,8 +339,11 @@ class Gateway:
         async def not_found(request: web.Request) -> web.Response:
             return _error(ApiError(404, f"Route {request.method} {request.path} not found."))
 
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/chat/completions", chat)
+        # Every engine route the gateway passes through (protocol/routes.py), POST only,
+        # as vLLM registers them; any other method is a 405.
+        for spec in ROUTES.values():
+            app.router.add_post(spec.path, handler(spec.name))
+            app.router.add_route("GET", spec.path, method_not_allowed)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -344,8 +353,6 @@ class Gateway:
         app.router.add_get("/version", self._version)
         app.router.add_route("*", "/ping", self._ping)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            app.router.add_route("GET", path, method_not_allowed)
         app.router.add_route("*", "/{tail:.*}", not_found)
         return app
 

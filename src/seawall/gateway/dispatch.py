@@ -24,6 +24,7 @@ import orjson
 from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError
+from seawall.gateway.bulkhead import Bulkhead
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
@@ -34,8 +35,6 @@ from seawall.metrics import Metrics
 from seawall.policy.deadline import first_token_wait
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.retry_budget import RetryBudget
-
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 def encode_body(obj: dict[str, Any]) -> bytes:
@@ -62,6 +61,7 @@ class Dispatcher:
         hedge: HedgePolicy | None = None,
         fleet_load: Callable[[], float] = lambda: 1.0,
         on_ttft: Callable[[float], None] | None = None,
+        bulkhead: Bulkhead | None = None,
     ) -> None:
         self.replicas = replicas
         self.ledger = ledger
@@ -72,6 +72,7 @@ class Dispatcher:
         self.hedge = hedge  # None: hedging off
         self.fleet_load = fleet_load
         self.on_ttft = on_ttft  # every first token's TTFT (the admin history samples it)
+        self.bulkhead = bulkhead  # grammar-constrained requests' own replicas (None: off)
 
     # -- the request's first token ------------------------------------------------------
 
@@ -113,6 +114,9 @@ class Dispatcher:
         self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
     ) -> Replica | None:
         free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
+        if self.bulkhead is not None and ctx.req is not None:
+            constrained = bool(ctx.req.constraints)
+            free, saturated = self.bulkhead.split(ctx.tier, constrained, free, saturated)
         return self.replicas.choose(free if free_only else free or saturated)
 
     async def attempt(
@@ -141,7 +145,7 @@ class Dispatcher:
         try:
             opened = await self.upstream.open(
                 replica,
-                PATHS[req.route],
+                req.spec.path,  # the client's path: vLLM serves each route under it
                 req,
                 body,
                 ctx.request_id,

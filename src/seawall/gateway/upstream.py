@@ -26,7 +26,7 @@ from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool, Sink
 from seawall.gateway.outcomes import Attempt, Failure
 from seawall.gateway.replicas import Replica
 from seawall.protocol.openai import ParsedRequest
-from seawall.protocol.sse import Event, Kind, SSEBuffer, classify
+from seawall.protocol.sse import CLASSIFY, Event, Kind, SSEBuffer
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Hold
@@ -132,8 +132,15 @@ def parse_retry_after(value: str | None) -> float | None:
         return None  # an HTTP-date; engines do not send those
 
 
-def upstream_headers(replica: Replica, request_id: str) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+def upstream_headers(
+    replica: Replica, request_id: str, content_type: str | None = None
+) -> dict[str, str]:
+    """The headers sent with a request. `content_type`: the client's, forwarded as given
+    (a multipart boundary must reach the engine, and vLLM answers a body labelled
+    `text/plain` as it would have answered the client); none given: `application/json`,
+    since the gateway has read the body as JSON (vLLM would refuse it; see
+    docs/engines-reference.md §8)."""
+    headers = {"Content-Type": content_type or "application/json", "X-Request-Id": request_id}
     if replica.api_key:
         headers["Authorization"] = f"Bearer {replica.api_key}"
     return headers
@@ -182,9 +189,8 @@ async def open_attempt(
     conn: H1Connection | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            conn = await pool.request(
-                replica.endpoint, path, upstream_headers(replica, request_id), body
-            )
+            headers = upstream_headers(replica, request_id, req.content_type)
+            conn = await pool.request(replica.endpoint, path, headers, body)
             if conn.status != 200:
                 raise await _http_failure(conn)
             if not req.stream:
@@ -192,6 +198,7 @@ async def open_attempt(
                 now = clock.monotonic()
                 return Opened(replica, conn, [], SSEBuffer(), data, started, now)
             sse = SSEBuffer()
+            classify = CLASSIFY[req.dialect]
             head: list[Event] = []
             while True:
                 chunk = await conn.read()
@@ -267,7 +274,12 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
 
 def _error_message(ev: Event) -> str:
     """The engine's message from an error event (classify has parsed it when it could)."""
-    error = ev.obj.get("error") if ev.obj else None
+    obj = ev.obj or {}
+    error = obj.get("error")
+    if not isinstance(error, dict) and isinstance(obj.get("response"), dict):
+        error = obj["response"].get("error")  # the Responses API's response.failed
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])
+    if obj.get("message"):
+        return str(obj["message"])  # the Responses API's error event
     return "upstream error event"
