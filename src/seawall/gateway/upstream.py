@@ -259,7 +259,7 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
             retry_after_s=parse_retry_after(conn.headers.get("retry-after")),
             content_type=ctype,
         )
-    if status >= 500:
+    if status >= 500 and status != 501:
         return _failed(Attempt.http_5xx, message, status=status, body=body, content_type=ctype)
     if 300 <= status < 400:
         # Not followed: a replica URL that redirects is misconfigured (http -> https, a
@@ -269,6 +269,9 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
             Attempt.redirect,
             f"{message}, redirecting to {where}: set the replica's URL to that address",
         )
+    # 4xx, and 501: the engine cannot do this at all (vLLM's NotImplementedError, a
+    # generative model asked for the Responses API; llama.cpp asked for audio without an
+    # audio model): the request's fault on this fleet, relayed as the engine wrote it.
     return _failed(Attempt.http_4xx, message, status=status, body=body, content_type=ctype)
 
 
