@@ -18,6 +18,10 @@ unknown part types (as their JSON text), `tools`, `functions`, `documents`, a cl
 `chat_template` and its kwargs, token-id prompts, and every prompt of a batch, with
 `suffix`. `count_request` also says how many sequences a request will produce (prompts
 x `n`), since a batch of 200 prompts returned 200 choices while admission counted one.
+The other routes the gateway passes through are counted by their own rule
+(`protocol/routes.py` `Count`): the Responses API's `instructions` + `input` items, the
+Messages API's `system` + `messages`, pooling inputs, every scored (query, document)
+pair, a fixed charge per uploaded audio file, and nothing for the tokenizer routes.
 
 Cost (issue 11, item 5): a 3.8 MB prompt took ~0.3 s to count on the event loop. Two
 defences live here: `max_prompt_bytes`, a byte bound derived from a tier's token limit
