@@ -268,6 +268,18 @@ def test_a_broken_responses_stream_ends_with_an_error_event_of_its_own_dialect(
         assert metric_sum(m, "seawall_stream_errors_total", reason=code) == 1
 
 
+def test_a_responses_stream_is_held_until_its_first_token(artifacts: Path) -> None:
+    sim, gw = fault_fleet(artifacts, 100, config={"timeouts": {"ttft_s": 1.0}})
+    with running(gw, sim):
+        set_fault(sim, {"kind": "hang"})  # the engine takes the request and never steps
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 8, "stream": True}
+        r = httpx.post(gw.url + "/v1/responses", json=body, timeout=30)
+        # No first token: nothing was committed, so the client gets a clean error
+        # (not a 200 stream cut short), after the time-to-first-token timeout.
+        assert r.status_code == 504 and r.json()["error"]["code"] == "ttft_timeout"
+        assert metric_sum(scrape(gw.url), "seawall_timeouts_total", kind="ttft") >= 1
+
+
 def test_cancelling_a_passed_through_stream_frees_the_engines_blocks(artifacts: Path) -> None:
     sim, gw = fault_fleet(artifacts, 100)
     with running(gw, sim):

@@ -357,6 +357,11 @@ def test_a_tier_refuses_a_schema_over_its_size_or_depth() -> None:
     assert too_large.status == 400 and too_large.param == "structured_outputs.json"
     too_deep = check_constraints((big,), None, got.depth - 1)
     assert too_deep is not None and too_deep.code == "schema_too_deep"
+    # vLLM also takes the schema as JSON text: measured the same, once a limit asks
+    (text,) = constraints_of(
+        "completions", {"structured_outputs": {"json": orjson.dumps(deep(6)).decode()}}
+    )
+    assert shape(text) == got
 
 
 # ------------------------------------------------------------------ count rules
