@@ -160,12 +160,42 @@ def start_sims(args: argparse.Namespace) -> list[Proc]:
     return sims
 
 
+def baseline_src(rev: str) -> Path:
+    """Seawall's source at `rev`, exported once under bench/.peers/ (git archive), so an
+    earlier version runs beside this one in the same run."""
+    full = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", rev],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dest = PEERS / f"seawall-{full}"
+    if not (dest / "src" / "seawall").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", full, "src"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest / "src"
+
+
 def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> System:
     if name == "direct":
         return System(name, None, None, "client round-robins over the replicas")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = LOGS / f"{name}.log"
+    log = LOGS / f"{name.replace('@', '-')}.log"
+    if name.startswith("seawall@"):
+        # An earlier Seawall, with its own defaults, in front of the same replicas.
+        src = baseline_src(name.removeprefix("seawall@"))
+        argv = [sys.executable, "-m", "seawall", "serve", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--no-access-log", "--log-level", "WARNING"]
+        for u in upstreams:
+            argv += ["--replica", u]
+        env = seawall_env({"PYTHONPATH": str(src)})
+        proc = Proc(name, argv, log, env=env, cwd=src.parent)
+        wait_http(url + "/readyz", 60, proc)
+        return System(name, url, proc, f"defaults at {name.removeprefix('seawall@')}")
     if name in ("seawall", "seawall-noadm"):
         argv = [sys.executable, "-m", "seawall", "serve", "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--no-access-log", "--log-level", "WARNING"]
@@ -442,12 +472,14 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
             print(f"  {r.system} c={r.concurrency} errors: {r.errors}")
 
     ratios = []
+    # This Seawall against the peers and against the earlier Seawalls (--baseline).
     for s, r in (
         (s, r)
         for s in rows
-        if s.system.startswith("seawall")
+        if s.system in ("seawall", "seawall-noadm")
         for r in rows
-        if r.concurrency == s.concurrency and r.system in ("vllm-router", "litellm")
+        if r.concurrency == s.concurrency
+        and (r.system in ("vllm-router", "litellm") or r.system.startswith("seawall@"))
     ):
         d = direct.get(r.concurrency)
         if d is None:
@@ -532,12 +564,20 @@ def main() -> int:
         help="py-spy one more load through this Seawall variant (default seawall)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        action="append",
+        default=[],
+        help="also Seawall at this git revision (its own source, exported), beside this one",
+    )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     names = [s for s in SYSTEMS if s.startswith(("direct", "seawall")) or args.peers]
     if args.systems:
         wanted = set(args.systems.split(","))
         names = [s for s in names if s in wanted or s == "direct"]
+    names[1:1] = [f"seawall@{rev}" for rev in args.baseline]
     if shutil.which("git"):
         rev = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],

@@ -29,6 +29,7 @@ from seawall.protocol.routes import Route
 DEFAULT_TIER = "default"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
+EngineKind = Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"]
 
 
 class _Strict(BaseModel):
@@ -42,9 +43,16 @@ class ReplicaConfig(_Strict):
     # within the window on one node cordon it. None: the replica is its own failure
     # domain, so one replica's failures never take another out of service.
     node: str | None = None
-    id: str | None = None  # stable name in metrics and logs; default "r<index>"
-    engine: Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"] = "auto"
+    # Stable name in metrics and logs; default "r<index>". A reload matches replicas by
+    # it: without ids, removing one renumbers the ones after it (each then drains and
+    # joins again), so give replicas ids where reloads change the list.
+    id: str | None = None
+    engine: EngineKind = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
+    # The public name clients ask for (LiteLLM's `model_name`), when it is not the served
+    # `model`: routing, limits, metrics and logs use it, and the request sent to this
+    # replica carries `model` (see gateway/aliases.py). None: clients use `model`.
+    model_name: Annotated[str, Field(min_length=1)] | None = None
 
     @field_validator("url")
     @classmethod
@@ -52,6 +60,55 @@ class ReplicaConfig(_Strict):
         if not v.startswith(("http://", "https://")) or not URL(v).host:
             raise ValueError("must be an http:// or https:// URL with a host")
         return v.rstrip("/")
+
+
+# `model_list`: LiteLLM's shape for the same thing as `replicas`, so a LiteLLM proxy config's
+# deployments can be pasted in. Each entry is one replica; the entries that share a
+# `model_name` are the pool behind that public name. How it maps:
+#   model_name               -> ReplicaConfig.model_name (the public name)
+#   litellm_params.model     -> ReplicaConfig.model (served; a `hosted_vllm/` or `openai/`
+#                               provider prefix is dropped, as LiteLLM drops it upstream)
+#   litellm_params.api_base  -> ReplicaConfig.url (a trailing `/v1` is dropped)
+#   litellm_params.api_key   -> ReplicaConfig.api_key (`os.environ/NAME` works here too)
+#   model_info.id            -> ReplicaConfig.id
+# LiteLLM's other per-deployment settings (rpm, tpm, timeout, ...) are not taken: they are
+# errors naming the allowed fields, and Seawall's tiers and timeouts do those jobs.
+_PROVIDER_PREFIXES: dict[str, EngineKind] = {"hosted_vllm/": "vllm", "openai/": "auto"}
+
+
+class LiteLLMParams(_Strict):
+    model: Annotated[str, Field(min_length=1)]
+    api_base: str
+    api_key: str | None = None
+
+
+class ModelInfo(_Strict):
+    id: str | None = None
+    node: str | None = None  # Seawall's own: the replica's failure domain (see ReplicaConfig)
+
+
+class ModelListEntry(_Strict):
+    model_name: Annotated[str, Field(min_length=1)]
+    litellm_params: LiteLLMParams
+    model_info: ModelInfo = ModelInfo()
+
+    def replica(self) -> ReplicaConfig:
+        served: str = self.litellm_params.model
+        engine: EngineKind = "auto"
+        for prefix, kind in _PROVIDER_PREFIXES.items():
+            if served.startswith(prefix):
+                served, engine = served[len(prefix) :], kind
+                break
+        url = self.litellm_params.api_base.rstrip("/").removesuffix("/v1")
+        return ReplicaConfig(
+            url=url,
+            model=served,
+            model_name=None if served == self.model_name else self.model_name,
+            id=self.model_info.id,
+            node=self.model_info.node,
+            engine=engine,
+            api_key=self.litellm_params.api_key,
+        )
 
 
 class Timeouts(_Strict):
@@ -277,11 +334,45 @@ class AdmissionConfig(_Strict):
         return self.enabled and self.kv_reserve_max is not None
 
 
+class TelemetryConfig(_Strict):
+    """OpenTelemetry traces, exported over OTLP/HTTP. Off by default, and then nothing of
+    OpenTelemetry is imported or run; W3C trace context (`traceparent`, `tracestate`) is
+    forwarded to the replicas either way. Needs the `otel` extra (pip install
+    'seawall[otel]'). See gateway/telemetry.py for the spans and their attributes."""
+
+    enabled: bool = False
+    # The collector's OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces.
+    # None: the OpenTelemetry exporter's own default, i.e. OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    # else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else http://localhost:4318/v1/traces.
+    endpoint: str | None = None
+    # Sent with every export (a collector's API key: write it as os.environ/NAME). Never logged.
+    headers: dict[str, str] = Field(default_factory=dict)
+    service_name: Annotated[str, Field(min_length=1)] = "seawall-gateway"
+    # Traces that start at the gateway are kept at this ratio; a client's own sampling
+    # decision (the traceparent's sampled flag) is always followed.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    export_interval_s: PositiveSeconds = 2.0  # spans are batched and sent this often
+    export_timeout_s: PositiveSeconds = 10.0  # one export; a dead collector costs no more
+
+
+class LoggingConfig(_Strict):
+    """The gateway's log on stderr. `json`: one object per line, every record (access
+    records carry their fields as keys; see seawall/logs.py). `seawall serve
+    --log-format` and `--log-level` win over these."""
+
+    format: Literal["text", "json"] = "text"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = True  # one record per request (`--no-access-log` turns it off)
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     server: ServerConfig = ServerConfig()
     metrics: MetricsConfig = MetricsConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    # LiteLLM's shape (see ModelListEntry): merged into `replicas`, after those listed
+    # there, when the file is validated; never written back out (`exclude`).
+    model_list: list[ModelListEntry] = Field(default_factory=list, exclude=True)
     timeouts: Timeouts = Timeouts()
     routes: dict[Route, TimeoutOverrides] = Field(default_factory=dict)
     retry: RetryConfig = RetryConfig()
@@ -296,6 +387,8 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
     fleet: FleetMonitorConfig = FleetMonitorConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    logging: LoggingConfig = LoggingConfig()
     seed: int | None = None  # for the balancer's random choices; None = from the OS
 
     @model_validator(mode="after")
@@ -318,6 +411,16 @@ class GatewayConfig(_Strict):
                     f"tenants.{name}.tier: unknown tier {t.tier!r}; "
                     f"defined tiers: {sorted(self.tiers)}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _merge_model_list(self) -> GatewayConfig:
+        if self.model_list:
+            merged = [*self.replicas, *(entry.replica() for entry in self.model_list)]
+            object.__setattr__(self, "replicas", merged)
+            object.__setattr__(self, "model_list", [])
+            # A dump of the set fields (`seawall serve` merges its flags that way) keeps them.
+            self.__pydantic_fields_set__.add("replicas")
         return self
 
     @model_validator(mode="after")

@@ -62,6 +62,14 @@ HARDWARE_TICKETS = "seawall_hardware_tickets_total"
 MIGRATIONS = "seawall_migrations_total"
 STREAM_ERRORS = "seawall_stream_errors_total"
 DRAINING = "seawall_draining"
+# pools (issue 16). Names only: the gateway registers these families (the lead's wiring);
+# `seawall budget --from-prometheus` reads them (ops/budget_prom.py).
+REPLICA_POOL = "seawall_replica_pool"  # {replica, pool} = 1: which pool a replica is in
+POOL_INFO = "seawall_pool_info"  # {pool, priority, mode} = 1
+POOL_ROUTABLE = "seawall_pool_routable_replicas"  # {pool, model}
+POOL_SERVING = "seawall_pool_serving"  # {pool, model}: 1 for the pool serving the model now
+POOL_FAILOVERS = "seawall_pool_failovers_total"  # {model, from_pool, to_pool}
+POOL_FAILBACKS = "seawall_pool_failbacks_total"  # {model, from_pool, to_pool}
 
 # Label values the gateway and the fleet monitor write, known before any event happens.
 # `Metrics.seed` creates these series at zero: a labelled series that is born at its

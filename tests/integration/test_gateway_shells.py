@@ -112,7 +112,13 @@ async def test_refused_connections_do_not_spend_the_retry_budget(artifacts: Path
     the connection. Every one of them must be served by the replica that is fine."""
     dead, alive = start_sim(artifacts, name="dead"), start_sim(artifacts, name="alive")
     # The monitor is slow on purpose: only the request path's own view of the crash acts.
-    gw = start_gateway(artifacts, [dead, alive], {"fleet": {"liveness_interval_s": 60}})
+    slow_monitor = {
+        "liveness_interval_s": 60,
+        "scrape_interval_s": 60,
+        "deep_probe_interval_s": 60,
+        "deep_probe_idle_interval_s": 60,
+    }
+    gw = start_gateway(artifacts, [dead, alive], {"fleet": slow_monitor})
     with running(gw, dead, alive):
         dead.popen.kill()
         dead.wait(timeout=5)

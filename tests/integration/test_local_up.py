@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -66,31 +67,136 @@ def assert_nothing_left(proc: Proc, log_dir: Path, replicas: int = 3) -> str:
     return output
 
 
+def tallies(output: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The summary's two counts: the client's (`traffic:`) and the gateway's."""
+    client = re.search(
+        r"^  traffic: requests \d+: ok (\d+), failed (\d+), dropped (\d+)(?:, cut (\d+))?",
+        output,
+        re.M,
+    )
+    gateway = re.search(r"^  gateway: answered ok (\d+), failed (\d+), dropped (\d+)", output, re.M)
+    assert client and gateway, output[-3000:]
+    keys = ("ok", "failed", "dropped", "cut")
+    return (
+        {k: int(v or 0) for k, v in zip(keys, client.groups(), strict=True)},
+        {k: int(v) for k, v in zip(keys, gateway.groups(), strict=False)},
+    )
+
+
+def agree(client: dict[str, int], gateway: dict[str, int]) -> bool:
+    """The same failures and drops; the same successes, but for a request the client cut
+    at the stop just as the gateway finished it (then the gateway's is one more)."""
+    return (
+        client["failed"] == gateway["failed"]
+        and client["dropped"] == gateway["dropped"]
+        and client["ok"] <= gateway["ok"] <= client["ok"] + client["cut"]
+    )
+
+
 @pytest.mark.slow
 def test_the_demo_runs_shows_the_fleet_survives_a_crash_and_cleans_up(artifacts: Path) -> None:
     log_dir = fresh(artifacts / "fleet")
     proc = spawn(
         seawall_argv(
-            "up", "--demo", "--demo-seconds", "12", "--demo-crash-at", "1",
+            "up", "--demo", "--demo-seconds", "14", "--demo-crash-at", "1",
             "--log-dir", str(log_dir),
         ),
         artifacts / "up.log",
     )  # fmt: skip
     try:
+        # The status page runs with the demo, at the address it prints, with its token.
+        for _ in range(600):
+            found = re.search(
+                r"status page (http://127\.0\.0\.1:\d+/status)#token=(\S+)", proc.log()
+            )
+            if found or not proc.alive():
+                break
+            time.sleep(0.1)
+        assert found, proc.log()[-4000:]
+        status_url, token = found.groups()
+        with urllib.request.urlopen(status_url, timeout=5) as page:
+            assert page.status == 200 and b"Admin token" in page.read()
+        state = urllib.request.Request(
+            status_url.replace("/status", "/admin/state"),
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(state, timeout=5) as resp:
+            assert len(json.loads(resp.read())["replicas"]) == 3
         assert proc.wait(timeout=90) == 0, proc.log()[-4000:]
     finally:
         proc.stop()
     output = assert_nothing_left(proc, log_dir)
-    assert re.search(r"replicas 3/3 running: r0 running pid=\d+ port=\d+", output)
+    assert re.search(
+        r"replicas 3/3 running: r0 running pid=\d+ port=\d+ restarts=0 routing=\S+ inflight=\d+",
+        output,
+    )
     assert re.search(
         r"gateway running http://127\.0\.0\.1:\d+ pid \d+ restarts 0 \(in-process\)", output
     )
-    traffic = re.search(r"^  traffic: requests (\d+): ok (\d+), failed (\d+)", output, re.M)
-    assert traffic, output[-3000:]
-    assert int(traffic.group(2)) > 0 and "tokens/s" in output
-    assert "demo: crashed r1 on purpose" in output
-    assert "event: r1 exited" in output and "r1 (restarts 1)" in output
+    crashed = re.search(r"demo: crashed (r\d) on purpose with (\d+) request\(s\) in flight", output)
+    assert crashed, output[-3000:]
+    victim = crashed.group(1)
+    assert f"event: {victim} exited" in output and f"{victim} (restarts 1)" in output
+    # What the gateway saved: every stream in flight on the crashed replica went on
+    # elsewhere (the demo's tier migrates), none was cut.
+    report = re.search(
+        rf"^  crash of {victim} with (\d+) request\(s\) in flight \((\d+) streaming\): "
+        r"(\d+) migrated, (\d+) retried, 0 failed \(a plain proxy would have cut \1\)$",
+        output,
+        re.M,
+    )
+    assert report, output[-3000:]
+    in_flight, streaming, migrated, retried = map(int, report.groups())
+    assert streaming >= 1 and migrated == streaming and migrated + retried == in_flight
+    # One truthful count: the gateway's tally and the client's agree.
+    client, gateway = tallies(output)
+    assert client["ok"] > 0 and agree(client, gateway), (client, gateway)
+    assert "tokens/s" in output and "restart_refused" not in output
     assert "all processes stopped" in output
+
+
+@pytest.mark.slow
+def test_a_stream_cut_by_a_crash_is_dropped_in_both_counts(artifacts: Path) -> None:
+    """The gateway's tally once called a stream cut mid-way ok (its status was 200)
+    while the client counted it dropped. Without migration, a crash drops the streams in
+    flight on the replica; both counts must say so, with the same numbers."""
+    log_dir = fresh(artifacts / "fleet")
+    config = artifacts / "fleet.yaml"
+    command = (
+        '["' + '", "'.join([*DEFAULT_COMMAND, "--enable-faults", "--step-base-ms", "20"]) + '"]'
+    )
+    config.write_text(
+        f"fleet: {{replicas: 2, model: tiny, command: {command}}}\n"
+        "traffic: {concurrency: 4, max_tokens: 150}\n"
+    )
+    proc = spawn(
+        seawall_argv("up", "--config", str(config), "--seconds", "60", "--log-dir", str(log_dir)),
+        artifacts / "up.log",
+    )
+    try:
+        for _ in range(600):
+            if (
+                re.search(r"r0 running pid=\d+ [^;|]* inflight=[1-9]", proc.log())
+                or not proc.alive()
+            ):
+                break
+            time.sleep(0.1)
+        match = re.search(r"r0 starting pid=\d+ url=(\S+)", proc.log())
+        assert match and proc.alive(), proc.log()[-4000:]
+        body = json.dumps({"kind": "crash"}).encode()
+        request = urllib.request.Request(f"{match.group(1)}/sim/fault", data=body, method="POST")
+        with contextlib.suppress(OSError):  # the process may die before it answers
+            urllib.request.urlopen(request, timeout=5).close()
+        for _ in range(100):
+            if "event: r0 exited" in proc.log():
+                break
+            time.sleep(0.1)
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()[-4000:]
+    finally:
+        proc.stop()
+    client, gateway = tallies(assert_nothing_left(proc, log_dir, replicas=2))
+    assert client["dropped"] >= 1 and agree(client, gateway), (client, gateway)
 
 
 def test_sigterm_stops_a_configured_fleet_cleanly(artifacts: Path) -> None:

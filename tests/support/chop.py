@@ -6,6 +6,9 @@ shows that, so tests that need it put this relay between the gateway and a real 
 sim`: every chunk the server sends reaches the client as `piece` bytes per write, with a
 short pause between writes so that each piece is its own read on the other side. It is
 a network condition, not a stand-in for the engine: the bytes are the engine's own.
+
+It also keeps what the client sent (`sent`), so a test can read the request headers a
+real engine received (a `traceparent`, say) without the engine having to log them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class ChoppingRelay:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.base_events.Server | None = None
+        self.sent = bytearray()  # every byte clients sent through the relay
 
     @property
     def url(self) -> str:
@@ -77,6 +81,7 @@ class ChoppingRelay:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
                 if not chop:
+                    self.sent += data
                     writer.write(data)
                     await writer.drain()
                     continue

@@ -65,6 +65,8 @@ def start_gateway(
     config: dict[str, Any] | None = None,
     wait_ready: bool = True,
     name: str = "gateway",
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Proc:
     seq = next(_SEQ)
     cfg: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": 0}, **(config or {})}
@@ -82,7 +84,9 @@ def start_gateway(
     fleet.setdefault("ledger_path", str(log_dir / f"{name}-{seq}-ledger.sqlite"))
     path = log_dir / f"{name}-{seq}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = spawn(seawall_argv("serve", "--config", str(path)), log_dir / f"{name}-{seq}.log")
+    proc = spawn(
+        seawall_argv("serve", "--config", str(path), *args), log_dir / f"{name}-{seq}.log", env=env
+    )
     proc.extra["config_path"] = path
     try:
         bound_port(proc, b"seawall gateway listening")

@@ -9,7 +9,7 @@ processes in tests/integration/test_gateway*.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 import pytest
@@ -66,6 +66,7 @@ class ScriptedUpstream:
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         self.calls.append(replica.id)
         step = self.by_call.pop(0) if self.by_call is not None else self.scripts[replica.id].pop(0)

@@ -299,6 +299,18 @@ def test_an_uploads_fields_are_read_in_place_and_its_bytes_left_alone() -> None:
     assert scan(raw, boundary, frozenset({"model"})).files[0].size_bytes == len(audio)
 
 
+def test_an_upload_to_a_replica_serving_another_name_carries_that_name() -> None:
+    audio = b"RIFF\r\n--\r\n" * 1000
+    for fields in ({"model": "public", "stream": "true"}, {"stream": "true"}):
+        raw, ctype = form({"file": audio}, **fields)
+        rewritten = parse("audio_transcriptions", raw, ctype).with_model("served-name")
+        again = parse("audio_transcriptions", rewritten, ctype)
+        assert (again.model, again.stream, again.uploads) == ("served-name", True, 1)
+        boundary = boundary_of(ctype)
+        assert boundary is not None
+        assert scan(rewritten, boundary, frozenset()).files[0].size_bytes == len(audio)
+
+
 def test_a_broken_form_is_the_clients_400() -> None:
     raw, ctype = form({"file": b"RIFF...."}, model="whisper")
     for broken in (raw[: len(raw) // 2], raw[: raw.rfind(b"--")], b"not a form at all"):

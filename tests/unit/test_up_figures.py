@@ -8,7 +8,14 @@ from prometheus_client import generate_latest
 
 from seawall.loadgen import RequestResult
 from seawall.metrics import Metrics
-from seawall.up.figures import TrafficTally, histogram_quantile, parse_gateway_metrics
+from seawall.up.figures import (
+    Crash,
+    GatewayFigures,
+    TrafficTally,
+    crash_outcome,
+    histogram_quantile,
+    parse_gateway_metrics,
+)
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
@@ -32,6 +39,7 @@ def test_gateway_figures_come_from_the_gateways_own_metric_families() -> None:
         m.ttft.labels("m").observe(0.02)
     figures = parse_gateway_metrics(generate_latest(m.registry).decode())
     assert (figures.requests_ok, figures.requests_failed, figures.retries) == (10, 2, 4)
+    assert (figures.requests_dropped, figures.client_left) == (0, 0)
     assert figures.ttft_p50_s is not None and 0.01 < figures.ttft_p50_s <= 0.025
 
 
@@ -62,3 +70,44 @@ def test_the_first_seconds_are_not_diluted_by_an_empty_window() -> None:
     )  # one request, started 2 s ago
     assert tally.figures(now=102.0).tokens_per_s == 25.0
     assert TrafficTally().figures(now=5.0).tokens_per_s == 0.0
+
+
+def test_a_stream_cut_mid_way_is_dropped_not_ok() -> None:
+    """The gateway's tally said "answered ok 431, failed 0" while the client saw "ok 430,
+    dropped 1": a stream that broke after its 200 counted as ok. One truthful count."""
+    m = Metrics(process=False)
+    m.requests.labels("m", "chat", "200").inc(431)  # the status the client got first
+    m.stream_errors.labels("upstream_reset").inc()  # ...and one of them then broke
+    m.requests.labels("m", "chat", "499").inc(2)  # clients that left are not failures
+    m.migrations.labels("ok").inc(3)
+    m.inflight.labels("r0").set(2)
+    figures = parse_gateway_metrics(generate_latest(m.registry).decode())
+    assert (figures.requests_ok, figures.requests_dropped) == (430, 1)
+    assert (figures.requests_failed, figures.client_left) == (0, 2)
+    assert figures.migrations_ok == 3 and figures.inflight == {"r0": 2}
+
+
+def gateway(ok: int = 0, failed: int = 0, dropped: int = 0, migrated: int = 0) -> GatewayFigures:
+    return GatewayFigures(ok, failed, dropped, 0, None, 0, migrated)
+
+
+def test_a_crash_whose_streams_all_migrated() -> None:
+    crash = Crash("r1", in_flight=5, streaming=5, before=gateway(ok=100, migrated=1))
+    out = crash_outcome(crash, gateway(ok=105, migrated=6))
+    assert (out.migrated, out.retried, out.failed) == (5, 0, 0)
+    assert out.text() == (
+        "crash of r1 with 5 request(s) in flight (5 streaming): 5 migrated, 0 retried, "
+        "0 failed (a plain proxy would have cut 5)"
+    )
+
+
+def test_a_crash_without_migration_drops_the_streams_and_retries_the_rest() -> None:
+    crash = Crash("r1", in_flight=4, streaming=3, before=gateway(ok=10))
+    out = crash_outcome(crash, gateway(ok=11, dropped=3))
+    assert (out.migrated, out.retried, out.failed) == (0, 1, 3)
+
+
+def test_a_crash_report_never_counts_more_than_was_in_flight() -> None:
+    crash = Crash("r1", in_flight=2, streaming=2, before=gateway())
+    out = crash_outcome(crash, gateway(failed=5, migrated=4))  # other trouble too
+    assert (out.migrated, out.retried, out.failed) == (0, 0, 2)

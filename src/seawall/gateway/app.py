@@ -24,7 +24,8 @@ import contextlib
 import hmac
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -32,15 +33,16 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from seawall import clock
+from seawall import __version__, clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
 from seawall.auth import hash_key
-from seawall.config import ConfigError, GatewayConfig
+from seawall.config import ConfigError, GatewayConfig, ReplicaConfig
 from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
+from seawall.gateway import telemetry
 from seawall.gateway.admin import Admin
-from seawall.gateway.bulkhead import Bulkhead
+from seawall.gateway.bulkhead import Bulkheads
 from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
@@ -111,8 +113,12 @@ class Gateway:
             signals=ReplicaSignals(self.replicas, self.ledger),
         )
         self.replicas.snapshot = self.monitor.snapshot
-        for i, rc in enumerate(config.replicas):
-            self.add_replica(rc.id or f"r{i}", rc.url, rc.model, rc.node, rc.api_key, rc.engine)
+        # The configured replicas as last applied (a reload compares the file with this).
+        self._applied: dict[str, ReplicaConfig] = replica_configs(config)
+        for rid, rc in self._applied.items():
+            self._add_configured(rid, rc)
+        self._retiring: dict[str, asyncio.Task[None]] = {}  # removed by a reload, draining
+        self._after_retire: dict[str, ReplicaConfig] = {}  # moved: joins once drained
 
         # Budgets and the upstream.
         r = config.retry
@@ -144,6 +150,11 @@ class Gateway:
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
         warn_if_open(config)
 
+        # Tracing: None unless configured, and then the request path does no span work.
+        self.tracing = (
+            telemetry.Tracing(config.telemetry, __version__) if config.telemetry.enabled else None
+        )
+
         # The request path.
         self.admin: Admin | None = None
         h = config.hedging
@@ -159,7 +170,7 @@ class Gateway:
             else None,
             fleet_load=self.fleet_load,
             on_ttft=self._observe_ttft,
-            bulkhead=Bulkhead.from_tiers(config.tiers),
+            bulkheads=Bulkheads(lambda: self.tenancy.tiers),  # the tiers as last reloaded
         )
         relay = Relay(
             dispatcher=self.dispatcher,
@@ -188,6 +199,7 @@ class Gateway:
             timeouts_for=config.timeouts_for,
             drain_retry_after_s=config.drain.retry_after_s,
             access_log=access_log,
+            tracing=self.tracing,
         )
         if config.admin.enabled:
             self.admin = Admin(
@@ -218,8 +230,8 @@ class Gateway:
 
     def _slot_released(self, replica_id: str) -> None:
         replica = self.replicas.get(replica_id)
-        if replica is not None and replica.model is not None:
-            self.fleet_admission.queue.wake(replica.model)
+        if replica is not None and replica.public is not None:
+            self.fleet_admission.queue.wake(replica.public)  # queued by the name asked for
 
     def _observe_ttft(self, ttft_s: float) -> None:
         if self.admin is not None:
@@ -250,14 +262,20 @@ class Gateway:
         node: str | None = None,
         api_key: str | None = None,
         engine: str = "auto",
+        model_name: str | None = None,
     ) -> Replica:
         """A replica joins routing and the fleet monitor (config, rollouts, discovery)."""
-        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine)
+        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine, model_name)
         self.replicas.add(replica)
         counts = replica.counts
         self.metrics.inflight.labels(replica_id).set_function(lambda: counts.requests)
         self.monitor.add_replica(_spec(replica))
         return replica
+
+    def _add_configured(self, replica_id: str, rc: ReplicaConfig) -> Replica:
+        return self.add_replica(
+            replica_id, rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name
+        )
 
     def remove_replica(self, replica_id: str) -> None:
         self.replicas.remove(replica_id)
@@ -303,6 +321,104 @@ class Gateway:
         self.remove_replica(replica_id)
         await stop(ref, stop_grace_s)
         return DrainReport(replica_id, cut, exited=actuator.name != "none")
+
+    # -- reload -------------------------------------------------------------------------
+
+    def reload(self, new: GatewayConfig) -> ReloadReport:
+        """Apply a new configuration's tenants, keys, tiers and replicas, as one change.
+
+        Nothing here awaits, so no request runs between two of its steps: a request that
+        authenticates afterwards gets the new tenancy policy whole, one already past
+        authentication finishes under the policy it started with (`tenancy.Policy`),
+        and each attempt chooses among the replicas as they are when it chooses.
+        Requests in flight are not touched. A replica the new file drops drains as a
+        removed replica does (out of routing at once, in-flight work gets
+        `drain.timeout_s`) and then leaves; one whose address, node, engine or served
+        model changed is a different replica: the old one drains, then the new one
+        joins under the same id. Other sections need a restart: they are named in the
+        report and not applied. Raises ConfigError, with nothing applied, for a
+        configuration this gateway cannot take."""
+        old = self.config
+        try:  # first, as the one step that may refuse: a refusal leaves all as it was
+            self.tenancy.reload(new)
+        except ValueError as e:
+            raise ConfigError(f"tenants: {e}") from None
+        report = self._reload_replicas(replica_configs(new))
+        self.config = old.model_copy(
+            update={"tenants": new.tenants, "tiers": new.tiers, "replicas": new.replicas}
+        )
+        self._seed_metrics()
+        warn_if_open(self.config)
+        return ReloadReport(
+            tenants=_diff(old.tenants, new.tenants),
+            tiers=_diff(old.tiers, new.tiers),
+            replicas=report,
+            not_applied=tuple(
+                name
+                for name in GatewayConfig.model_fields
+                if name not in _RELOADABLE and getattr(old, name) != getattr(new, name)
+            ),
+        )
+
+    def _reload_replicas(self, wanted: dict[str, ReplicaConfig]) -> Diff:
+        added: list[str] = []
+        removed: list[str] = []
+        changed: list[str] = []
+        for rid in self._applied.keys() - wanted.keys():
+            removed.append(rid)
+            self._after_retire.pop(rid, None)
+            if self.replicas.get(rid) is not None and rid not in self._retiring:
+                self._retire(rid)
+        for rid, rc in wanted.items():
+            before = self._applied.get(rid)
+            current = self.replicas.get(rid)
+            if rid in self._retiring:
+                # Still draining from an earlier reload: it joins (as configured now)
+                # once that drain is over.
+                self._after_retire[rid] = rc
+                (changed if before is not None else added).append(rid)
+            elif current is None:
+                if before == rc:
+                    continue  # removed since (a rollout, the admin API); the file did not change
+                self._add_configured(rid, rc)
+                added.append(rid)
+            elif before != rc:
+                changed.append(rid)
+                if _moved(current, rc):
+                    self._after_retire[rid] = rc
+                    self._retire(rid)
+                else:  # the same engine: new credentials or public name, from now on
+                    current.api_key, current.model_name = rc.api_key, rc.model_name
+        self._applied = wanted
+        return Diff(tuple(sorted(added)), tuple(sorted(removed)), tuple(sorted(changed)))
+
+    def _retire(self, replica_id: str) -> None:
+        """Drain a replica a reload removed (or moved), as `drain_replica` does: out of
+        routing now, before the reload returns; in-flight work gets `drain.timeout_s`;
+        then it leaves. A moved one joins again, as now configured, once it has left."""
+        self.monitor.drain(replica_id, restart=False)
+        deadline = clock.monotonic() + self.config.drain.timeout_s
+
+        async def retire() -> None:
+            try:
+                left = await self.ledger.wait_zero(replica_id, deadline)
+                if left:
+                    log.warning(
+                        "reload: %s still has %d request(s) in flight at its drain deadline; "
+                        "they finish on their connections, outside the fleet",
+                        replica_id,
+                        left,
+                    )
+                self.remove_replica(replica_id)
+                log.info("reload: %s left the fleet", replica_id)
+            finally:
+                self._retiring.pop(replica_id, None)
+            rc = self._after_retire.pop(replica_id, None)
+            if rc is not None and not self.draining:
+                self._add_configured(replica_id, rc)
+                log.info("reload: %s joined at %s", replica_id, rc.url)
+
+        self._retiring[replica_id] = asyncio.get_running_loop().create_task(retire())
 
     def fleet_load(self) -> float:
         """Mean KV usage over replicas where scraped, else in-flight per replica / 16.
@@ -358,8 +474,8 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         data = []
-        for model in self.replicas.models():
-            card = self.catalog.cards.get(model) or {
+        for model in self.replicas.models():  # the public names
+            card = self.catalog.card(model) or {
                 "id": model,
                 "object": "model",
                 "created": int(clock.wall()),
@@ -528,9 +644,10 @@ class Gateway:
     async def close(self) -> None:
         """Stop listening, then stop what runs in the background, then release what the
         gateway holds. Requests still running are cancelled (use `shutdown` to drain)."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._retiring.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.front_door is not None:
@@ -540,6 +657,8 @@ class Gateway:
         await self.monitor.stop()
         await self.monitor.actuator.close()
         await self.tenancy.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is still batched
         self.upstream.close()
         if self._session is not None:
             await self._session.close()
@@ -547,3 +666,52 @@ class Gateway:
 
 def _spec(r: Replica) -> ReplicaSpec:
     return ReplicaSpec(r.id, r.url, r.model or "", r.node, r.engine)
+
+
+def replica_configs(config: GatewayConfig) -> dict[str, ReplicaConfig]:
+    """The configured replicas by id (an entry without one is `r<index>`)."""
+    return {rc.id or f"r{i}": rc for i, rc in enumerate(config.replicas)}
+
+
+def _moved(r: Replica, rc: ReplicaConfig) -> bool:
+    """A different engine behind the same id: a new address, node, engine kind or model."""
+    model_changed = rc.model is not None and rc.model != r.model
+    return model_changed or (r.url, r.node, r.engine) != (rc.url, rc.node, rc.engine)
+
+
+# What a reload applies (`model_list` is merged into `replicas` when a file is read).
+_RELOADABLE = frozenset({"tenants", "tiers", "replicas", "model_list"})
+
+
+@dataclass(frozen=True, slots=True)
+class Diff:
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        parts = [
+            f"{sign}{', '.join(names)}"
+            for sign, names in (("+", self.added), ("-", self.removed), ("~", self.changed))
+            if names
+        ]
+        return " ".join(parts) or "unchanged"
+
+
+def _diff(old: Mapping[str, object], new: Mapping[str, object]) -> Diff:
+    return Diff(
+        tuple(sorted(new.keys() - old.keys())),
+        tuple(sorted(old.keys() - new.keys())),
+        tuple(sorted(k for k in old.keys() & new.keys() if old[k] != new[k])),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    tenants: Diff
+    tiers: Diff
+    replicas: Diff
+    not_applied: tuple[str, ...]  # sections that changed but need a restart
+
+    def __str__(self) -> str:
+        return f"tenants {self.tenants}; tiers {self.tiers}; replicas {self.replicas}"

@@ -13,12 +13,15 @@ grammar-constrained requests (`TierConfig.grammar_replicas`); then:
   nothing else is left;
 - constrained requests of a tier without grammar replicas go anywhere.
 
+The tiers are the current configuration's (a reload may change them): `Bulkheads`
+rebuilds the bulkhead when the tiers mapping is a new one, and only then.
+
 Pure: filters candidate lists the dispatcher already holds; no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -62,3 +65,20 @@ class Bulkhead:
         if outside_free or outside_saturated:
             return outside_free, outside_saturated
         return list(free), list(saturated)
+
+
+class Bulkheads:
+    """The bulkhead of the current tiers (`tiers()`), rebuilt only when they change."""
+
+    __slots__ = ("_built", "_tiers", "_tiers_of")
+
+    def __init__(self, tiers: Callable[[], Mapping[str, TierConfig]]) -> None:
+        self._tiers_of = tiers
+        self._tiers: Mapping[str, TierConfig] | None = None
+        self._built: Bulkhead | None = None
+
+    def current(self) -> Bulkhead | None:
+        tiers = self._tiers_of()
+        if tiers is not self._tiers:
+            self._tiers, self._built = tiers, Bulkhead.from_tiers(tiers)
+        return self._built

@@ -1,9 +1,10 @@
 """The models the fleet serves, learnt from the replicas' own `GET /v1/models`.
 
 A replica configured without a model gets the first one it serves; each model's card
-(vLLM's includes `max_model_len`) is kept so that `/v1/models` answers with the
-engines' own cards and admission can cap a request's KV reservation at the context
-length. Runs off the request path; the request path reads `cards` and `max_model_len`.
+(vLLM's includes `max_model_len`) is kept, by served name, so that `/v1/models` answers
+with the engines' own cards (under the public names, see `aliases.py`) and admission
+can cap a request's KV reservation at the context length. Runs off the request path;
+the request path reads `card` and `max_model_len`.
 
 Must not: route or refuse (it only learns).
 """
@@ -33,8 +34,17 @@ class ModelCatalog:
         self.cards: dict[str, dict[str, Any]] = {}
         self._on_new_card = on_new_card
 
-    def max_model_len(self, model: str) -> int | None:
-        cap = (self.cards.get(model) or {}).get("max_model_len")
+    def card(self, public: str) -> dict[str, Any] | None:
+        """The engine's card for a public model name, under that name (an alias's card is
+        its served model's, with `id` the alias; vLLM's `root` still names the weights)."""
+        for r in self.replicas.all():
+            if r.public == public and r.model is not None and r.model in self.cards:
+                card = self.cards[r.model]
+                return card if r.model == public else {**card, "id": public}
+        return None
+
+    def max_model_len(self, public: str) -> int | None:
+        cap = (self.card(public) or {}).get("max_model_len")
         return cap if isinstance(cap, int) and cap > 0 else None
 
     async def run(self, session: aiohttp.ClientSession) -> None:

@@ -17,6 +17,7 @@ from seawall.protocol.openai import ParsedRequest, Route
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Ticket
+    from seawall.gateway.telemetry import RequestSpan, TraceContext
     from seawall.gateway.upstream import Opened
     from seawall.state.limits import Lease
 
@@ -62,6 +63,7 @@ class RequestCtx:
     ttft_s: float | None = None
     queued_s: float = 0.0  # time spent in the admission queue
     error: str = ""
+    error_code: str = ""  # of the error answered (an ApiError's code), for logs and traces
     stage: str = "parsing"  # for cancellations: where the client left
     ticket: Ticket | None = None
     lease: Lease | None = None  # the tenant's rate/concurrency claim, released at the end
@@ -70,6 +72,9 @@ class RequestCtx:
     prompt_tokens: int = 0  # counted at the door (0 when no limit needed the count)
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
     stream: StreamState = field(default_factory=StreamState)
+    policy: object = None  # the tenancy policy it authenticated under (tenancy.Policy)
+    trace: TraceContext | None = None  # the client's W3C trace context, forwarded upstream
+    span: RequestSpan | None = None  # when tracing is on (telemetry.py)
 
     @property
     def deadline(self) -> float:

@@ -24,7 +24,8 @@ import orjson
 from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError
-from seawall.gateway.bulkhead import Bulkhead
+from seawall.gateway import aliases
+from seawall.gateway.bulkhead import Bulkheads
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
@@ -61,7 +62,7 @@ class Dispatcher:
         hedge: HedgePolicy | None = None,
         fleet_load: Callable[[], float] = lambda: 1.0,
         on_ttft: Callable[[float], None] | None = None,
-        bulkhead: Bulkhead | None = None,
+        bulkheads: Bulkheads | None = None,
     ) -> None:
         self.replicas = replicas
         self.ledger = ledger
@@ -72,7 +73,7 @@ class Dispatcher:
         self.hedge = hedge  # None: hedging off
         self.fleet_load = fleet_load
         self.on_ttft = on_ttft  # every first token's TTFT (the admin history samples it)
-        self.bulkhead = bulkhead  # grammar-constrained requests' own replicas (None: off)
+        self.bulkheads = bulkheads  # grammar-constrained requests' own replicas
 
     # -- the request's first token ------------------------------------------------------
 
@@ -114,9 +115,10 @@ class Dispatcher:
         self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
     ) -> Replica | None:
         free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
-        if self.bulkhead is not None and ctx.req is not None:
+        bulkhead = self.bulkheads.current() if self.bulkheads is not None else None
+        if bulkhead is not None and ctx.req is not None:
             constrained = bool(ctx.req.constraints)
-            free, saturated = self.bulkhead.split(ctx.tier, constrained, free, saturated)
+            free, saturated = bulkhead.split(ctx.tier, constrained, free, saturated)
         return self.replicas.choose(free if free_only else free or saturated)
 
     async def attempt(
@@ -134,6 +136,12 @@ class Dispatcher:
         its own (a continuation's)."""
         req = ctx.req
         assert req is not None
+        # A replica reached under an alias gets its own served name (and answers under
+        # the public one); None: the names agree, nothing to rewrite.
+        served = replica.model if replica.model != ctx.model else None
+        if served is not None:
+            multipart = req.spec.body == "multipart"  # an upload: its form field, not JSON
+            body = req.with_model(served) if multipart else aliases.upstream_body(body, served)
         strip: frozenset[str] = frozenset()
         if isinstance(body, dict):
             engine = self.replicas.view(replica, self.replicas.snapshot()).engine
@@ -141,6 +149,14 @@ class Dispatcher:
             body = encode_body(counted)
         first_token_s = ctx.timeouts.ttft_s if ttft_s is None else min(ttft_s, ctx.timeouts.ttft_s)
         wait = first_token_wait(clock.monotonic(), ctx.deadline, first_token_s, req.stream)
+        # With tracing on, the attempt's own span is the replica's parent; otherwise the
+        # client's trace context goes on as it came (telemetry.py).
+        span = (
+            ctx.span.attempt(replica, served or ctx.model, ctx.stage == "streaming")
+            if ctx.span is not None
+            else None
+        )
+        trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
         try:
             opened = await self.upstream.open(
@@ -151,19 +167,30 @@ class Dispatcher:
                 ctx.request_id,
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
+                trace,
             )
         except AttemptFailed as f:
             hold.release()
             self._attempt_failed(replica, f.failure)
+            if span is not None:
+                span.end(f.outcome.value, failed=ATTEMPT_RULES[f.outcome].replica_fault)
             raise
         except BaseException:
             hold.release()
             outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
             self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            if span is not None:
+                span.end(outcome.value, failed=False)
             raise
         opened.hold = hold
         opened.strip = strip
+        if served is not None:
+            aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
+        if span is not None:
+            span.end(
+                Attempt.ok.value, failed=False, ttft_s=opened.first_token_at - opened.opened_at
+            )
         return opened
 
     def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
@@ -191,6 +218,8 @@ class Dispatcher:
         self.metrics.ttft.labels(ctx.model).observe(ttft)
         if self.on_ttft is not None:
             self.on_ttft(ttft)
+        if ctx.span is not None:
+            ctx.span.first_token(ttft, opened.replica.id, opened.body is None)
 
     def _exhausted(
         self,

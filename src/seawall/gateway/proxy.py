@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
-import orjson
 from aiohttp import web
 
 from seawall import clock
 from seawall.config import Timeouts
 from seawall.errors import ApiError, clip, unavailable
+from seawall.gateway import telemetry
 from seawall.gateway.context import RequestCtx, new_request_id
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.fleet_admission import FleetAdmission
@@ -34,6 +35,7 @@ from seawall.gateway.relay import Relay
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.stack import Step
 from seawall.gateway.tenancy import Tenancy
+from seawall.logs import FIELDS
 from seawall.metrics import Metrics
 from seawall.protocol.openai import Route
 
@@ -58,6 +60,7 @@ class Proxy:
         timeouts_for: Callable[[Route], Timeouts],
         drain_retry_after_s: float,
         access_log: bool = True,
+        tracing: telemetry.Tracing | None = None,
     ) -> None:
         self.stack = stack
         self.dispatcher = dispatcher
@@ -70,6 +73,7 @@ class Proxy:
         self.timeouts_for = timeouts_for
         self.drain_retry_after_s = drain_retry_after_s
         self.access_log = access_log
+        self.tracing = tracing  # None: tracing off, and no span work at all
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ctx = RequestCtx(
@@ -77,7 +81,10 @@ class Proxy:
             route=route,
             started=clock.monotonic(),
             timeouts=self.timeouts_for(route),
+            trace=telemetry.incoming(request.headers),
         )
+        if self.tracing is not None:
+            ctx.span = self.tracing.start_request(route, ctx.request_id, request.method, ctx.trace)
         ticket = ctx.ticket = self.ledger.enter()
         try:
             return await self._handle(request, ctx)
@@ -128,6 +135,7 @@ class Proxy:
     def _error_response(self, ctx: RequestCtx, e: ApiError) -> web.Response:
         ctx.status = e.status
         ctx.error = ctx.error or e.message
+        ctx.error_code = str(e.code) if e.code is not None else f"http_{e.status}"
         headers = {"X-Request-Id": ctx.request_id, **e.response_headers()}
         return web.Response(body=e.json_bytes(), status=e.status, headers=headers)
 
@@ -138,22 +146,47 @@ class Proxy:
         self.metrics.requests.labels(label, ctx.route, str(ctx.status)).inc()
         if ctx.status == 200:
             self.metrics.e2e.labels(label).observe(elapsed)
-        if self.access_log:
-            log.info(
-                "%s",
-                orjson.dumps(
-                    {
-                        "request_id": ctx.request_id,
-                        "route": ctx.route,
-                        "model": clip(ctx.model, _LOG_FIELD_MAX) if ctx.model else "unknown",
-                        "tenant": ctx.tenant,
-                        "status": ctx.status,
-                        "replica": ctx.replica,
-                        "attempts": ctx.attempts,
-                        "ttft_s": None if ctx.ttft_s is None else round(ctx.ttft_s, 4),
-                        "queued_s": round(ctx.queued_s, 4),
-                        "duration_s": round(elapsed, 4),
-                        "error": ctx.error[: _LOG_FIELD_MAX * 4] or None,
-                    }
-                ).decode(),
-            )
+        if self.access_log or ctx.span is not None:
+            record = self.access_record(ctx, elapsed)
+            if ctx.span is not None:
+                ctx.span.end(record)
+            if self.access_log:
+                # Text logs show the record as one JSON object; JSON logs merge its fields.
+                log.info("request", extra={FIELDS: record})
+
+    def access_record(self, ctx: RequestCtx, elapsed_s: float) -> dict[str, Any]:
+        """One request's account: who, what, where it went, how it ended, how long each
+        part took. Values are the gateway's own or clipped client strings; never a key,
+        a header or a prompt."""
+        replica = self.replicas.get(ctx.replica) if ctx.replica else None
+        trace_id = (
+            ctx.span.trace_id if ctx.span is not None else ctx.trace.trace_id if ctx.trace else None
+        )
+        return {
+            "request_id": ctx.request_id,
+            "route": ctx.route,
+            "model": clip(ctx.model, _LOG_FIELD_MAX) if ctx.model else "unknown",
+            "tenant": ctx.tenant,
+            "tier": ctx.tier,
+            "status": ctx.status,
+            "outcome": outcome_of(ctx),
+            "replica": ctx.replica or None,
+            "served_model": replica.model if replica is not None else None,
+            "attempts": ctx.attempts,
+            "migrations": ctx.stream.migrations,
+            "ttft_s": None if ctx.ttft_s is None else round(ctx.ttft_s, 4),
+            "queued_s": round(ctx.queued_s, 4),
+            "duration_s": round(elapsed_s, 4),
+            "error": ctx.error[: _LOG_FIELD_MAX * 4] or None,
+            "trace_id": trace_id,
+        }
+
+
+def outcome_of(ctx: RequestCtx) -> str:
+    """How the request ended, as one code: `ok`; a stream's end (`outcomes.StreamEnd`)
+    when it broke after its 200; `client_left`; else the error's code."""
+    if ctx.status == 200:
+        return ctx.error if ctx.error else "ok"
+    if ctx.status == 499:
+        return "client_left"
+    return ctx.error_code or f"http_{ctx.status}"

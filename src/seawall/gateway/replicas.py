@@ -33,6 +33,7 @@ class Replica:
     node: str | None  # None: its own failure domain (see seawall.config.ReplicaConfig)
     api_key: str | None = None
     engine: str = "auto"
+    model_name: str | None = None  # the public name, when it is not `model` (aliases.py)
     kv_block_size: int = 16  # learned from the engine's cache config; vLLM's default
     chunks_relayed: int = 0
     ejected_until: float = 0.0
@@ -47,6 +48,11 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.endpoint = Endpoint.parse(self.url)
+
+    @property
+    def public(self) -> str | None:
+        """The name clients ask for: its alias, else the served model (None: not known yet)."""
+        return self.model_name or self.model
 
     def observe_ttft(self, seconds: float) -> None:
         prev = self.ttft_ewma_s
@@ -89,10 +95,11 @@ class ReplicaSet:
         return list(self._replicas.values())
 
     def models(self) -> list[str]:
-        return sorted({r.model for r in self._replicas.values() if r.model})
+        """The public names (what clients ask for and `/v1/models` lists)."""
+        return sorted({name for r in self._replicas.values() if (name := r.public)})
 
     def serves(self, model: str) -> bool:
-        return any(r.model == model for r in self._replicas.values())
+        return any(r.public == model for r in self._replicas.values())
 
     def view(self, replica: Replica, snap: FleetSnapshot) -> ReplicaView:
         return snap.replicas.get(replica.id, _ALWAYS_ROUTABLE)
@@ -113,7 +120,10 @@ class ReplicaSet:
         free: list[Replica] = []
         saturated: list[Replica] = []
         for r in self._replicas.values():
-            if r.model != model or r.id in skip or not self.usable(r, now, snap):
+            # An aliased replica is chosen once its served name is known (sent upstream).
+            if r.public != model or r.model is None or r.id in skip:
+                continue
+            if not self.usable(r, now, snap):
                 continue
             view = self.view(r, snap)
             (saturated if self.saturation(r, view, now, need_tokens) else free).append(r)

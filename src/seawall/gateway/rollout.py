@@ -56,6 +56,7 @@ class FleetOps(Protocol):
         node: str | None = ...,
         api_key: str | None = ...,
         engine: str = ...,
+        model_name: str | None = ...,
     ) -> Replica: ...
 
     async def drain_replica(
@@ -176,8 +177,11 @@ class Rollout:
             for ref in news:
                 await self.sup.remove(ref, self.opts.stop_grace_s)
             raise RolloutFailed(str(e)) from None
-        for ref in news:
-            self.gw.add_replica(ref.replica_id, ref.url, ref.model or None, ref.node)
+        for old, ref in zip(batch, news, strict=True):
+            # The new replica keeps the public name (alias) of the one it replaces.
+            self.gw.add_replica(
+                ref.replica_id, ref.url, ref.model or None, ref.node, model_name=old.model_name
+            )
         await self._wait_routable([ref.replica_id for ref in news])
         for old, new in zip(batch, news, strict=True):
             report = await self.gw.drain_replica(

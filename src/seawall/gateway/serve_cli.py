@@ -5,6 +5,16 @@
 
 On SIGTERM (or Ctrl-C) the gateway drains: `/readyz` fails at once, new requests get
 503 + Retry-After, in-flight streams get `drain.timeout_s` to finish, then it exits 0.
+
+On SIGHUP it reloads `--config` (as nginx and Prometheus do), and with `--watch-config`
+also whenever the file changes (its modification time, size or inode, polled; a
+Kubernetes ConfigMap volume swaps a symlink, which this sees). Tenants, keys, tiers and
+replicas take effect at once and as one change (`Gateway.reload`); a file that does not
+load or validate is refused with one log line naming the problem, and the running
+configuration stays. Sections that need a restart are named and not applied.
+
+Logs go to stderr, as text or one JSON object per line (`--log-format`, or `logging:`
+in the file; the flag wins; see seawall/logs.py).
 """
 
 from __future__ import annotations
@@ -14,8 +24,14 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from seawall import logs
 from seawall.config import ConfigError, GatewayConfig, load_config, parse_config
+
+if TYPE_CHECKING:
+    from seawall.gateway.app import Gateway
 
 log = logging.getLogger("seawall.gateway")
 
@@ -35,7 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-timeout", type=float, metavar="S", help="inter-token idle timeout")
     p.add_argument("--total-timeout", type=float, metavar="S", help="total request deadline")
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: logging.level)")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="text lines, or one JSON object per line (default: logging.format, text)",
+    )
+    p.add_argument(
+        "--watch-config",
+        type=float,
+        nargs="?",
+        const=2.0,
+        metavar="S",
+        help="reload --config when the file changes, checking every S seconds (default 2); "
+        "SIGHUP reloads it in any case",
+    )
 
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
@@ -68,43 +98,124 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     return config
 
 
-async def serve(config: GatewayConfig, access_log: bool = True) -> int:
+class Reloader:
+    """Reads the configuration again and hands it to the gateway; refuses a bad file."""
+
+    def __init__(self, args: argparse.Namespace, gw: Gateway) -> None:
+        self.args = args
+        self.gw = gw
+        self.path = Path(args.config) if args.config else None
+        self.seen = _file_identity(self.path)
+
+    def reload(self, why: str) -> bool:
+        if self.path is None:
+            log.warning("reload (%s): there is no --config file to reload", why)
+            return False
+        if self.gw.draining:
+            log.warning("reload (%s) ignored: the gateway is draining", why)
+            return False
+        self.seen = _file_identity(self.path)
+        try:
+            config = build_config(self.args)
+            report = self.gw.reload(config)
+        except ConfigError as e:
+            message = " ".join(line.strip() for line in str(e).splitlines())
+            log.error("reload (%s) refused; the running configuration stays: %s", why, message)
+            return False
+        log.info("reload (%s) applied from %s: %s", why, self.path, report)
+        if report.not_applied:
+            log.warning(
+                "reload: changed but not applied (restart the gateway to apply): %s",
+                ", ".join(report.not_applied),
+            )
+        return True
+
+    def changed(self) -> bool:
+        return _file_identity(self.path) != self.seen
+
+    async def watch(self, interval_s: float) -> None:
+        # A poll by design: the file may be a symlink swapped by a ConfigMap update,
+        # which inotify on the path would miss; one stat per interval costs nothing.
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.changed():
+                self.reload("the file changed")
+
+
+def _file_identity(path: Path | None) -> tuple[int, int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = path.stat()  # follows symlinks: the file the link points at now
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _say_text(line: str) -> None:
+    print(line, flush=True)
+
+
+def _say_json(line: str) -> None:
+    # An INFO record handed to the handlers directly: shown whatever the log level.
+    log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))
+
+
+async def serve(
+    config: GatewayConfig,
+    access_log: bool = True,
+    args: argparse.Namespace | None = None,
+    json_logs: bool = False,
+) -> int:
     from seawall.gateway.app import Gateway
 
     gw = Gateway(config, access_log=access_log)
     port = await gw.start()
-    # On stdout whatever the log level: with `port: 0`, this line is how a supervisor
-    # (or a test) learns the address.
-    print(f"seawall gateway listening on http://{config.listen.host}:{port}", flush=True)
+    # Whatever the log level: with `port: 0`, this line is how a supervisor (or a test)
+    # learns the address. On stdout as text; as a record (so every line is one JSON
+    # object) with JSON logs.
+    say = _say_json if json_logs else _say_text
+    say(f"seawall gateway listening on http://{config.listen.host}:{port}")
     if gw.admin is not None and gw.admin.port is not None:
-        print(
-            f"seawall admin API listening on http://{config.admin.host}:{gw.admin.port}",
-            flush=True,
-        )
+        say(f"seawall admin API listening on http://{config.admin.host}:{gw.admin.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher: asyncio.Task[None] | None = None
+    if args is not None:
+        reloader = Reloader(args, gw)
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        if args.watch_config:
+            watcher = asyncio.create_task(reloader.watch(args.watch_config))
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     log.info("draining: %d request(s) in flight, up to %.0fs", gw.inflight, config.drain.timeout_s)
     await gw.shutdown()
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    # Logging as the flags say until the file is read (its errors are logged too).
+    logs.setup(args.log_format or "text", args.log_level or "INFO")
     try:
         config = build_config(args)
     except ConfigError as e:
-        print(f"seawall serve: {e}", file=sys.stderr)
+        if args.log_format == "json":
+            log.error("seawall serve: %s", e)
+        else:
+            print(f"seawall serve: {e}", file=sys.stderr)
         return 2
+    log_format = args.log_format or config.logging.format
+    logs.setup(log_format, args.log_level or config.logging.level)
+    if args.watch_config is not None and args.watch_config <= 0:
+        print("seawall serve: --watch-config needs a positive interval", file=sys.stderr)
+        return 2
+    access_log = config.logging.access_log and not args.no_access_log
     try:
         import uvloop
 
-        return uvloop.run(serve(config, access_log=not args.no_access_log))
+        return uvloop.run(serve(config, access_log, args, log_format == "json"))
     except ImportError:
-        return asyncio.run(serve(config, access_log=not args.no_access_log))
+        return asyncio.run(serve(config, access_log, args, log_format == "json"))

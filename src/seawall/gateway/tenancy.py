@@ -16,14 +16,15 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from seawall import clock
 from seawall.auth import KeyStore
-from seawall.config import GatewayConfig, TierConfig
+from seawall.config import GatewayConfig, TenantConfig, TierConfig
 from seawall.errors import ApiError
 from seawall.gateway.context import RequestCtx
 from seawall.metrics import Metrics
-from seawall.policy.limits import Reject, check_request
+from seawall.policy.limits import Reject, TierLimits, check_request
 from seawall.protocol.structured import check_constraints
 from seawall.protocol.tokens import (
     EstimateCounter,
@@ -37,6 +38,30 @@ from seawall.state.limits import Denied, Lease, LimitsBackend, TenantLimits, den
 log = logging.getLogger("seawall.gateway")
 
 
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Tenants, their keys and the tiers, as one value: a reload builds a new one and
+    swaps it in with one assignment, and each request keeps the one it authenticated
+    under (`RequestCtx.policy`), so no request sees a mix of two configurations."""
+
+    tiers: Mapping[str, TierConfig]
+    tenants: Mapping[str, TenantConfig]
+    keys: KeyStore | None  # None: no tenants, the gateway is open
+    limits: Mapping[str, TierLimits]
+
+    @classmethod
+    def of(cls, config: GatewayConfig) -> Policy:
+        """Raises ValueError for a key hash listed under two tenants."""
+        tenants = config.tenants
+        keys = (
+            KeyStore.from_tenants({n: t.api_key_hashes for n, t in tenants.items()})
+            if tenants
+            else None
+        )
+        limits = {name: tier.limits() for name, tier in config.tiers.items()}
+        return cls(config.tiers, tenants, keys, limits)
+
+
 class Tenancy:
     def __init__(
         self,
@@ -45,16 +70,9 @@ class Tenancy:
         metrics: Metrics,
         max_model_len: Callable[[str], int | None],
     ) -> None:
-        self.tiers = config.tiers
-        self.tenants = config.tenants
+        self.policy = Policy.of(config)
         self.admission = config.admission
         self.ratelimit = config.ratelimit
-        self.keys: KeyStore | None = (
-            KeyStore.from_tenants({n: t.api_key_hashes for n, t in self.tenants.items()})
-            if self.tenants
-            else None
-        )
-        self.limits = {name: tier.limits() for name, tier in self.tiers.items()}
         self.backend = backend
         self.metrics = metrics
         self.max_model_len = max_model_len
@@ -64,16 +82,35 @@ class Tenancy:
         self.estimate = EstimateCounter()
         self._orphans: set[asyncio.Future[None]] = set()
 
+    def reload(self, config: GatewayConfig) -> None:
+        """New tenants, keys and tiers for the requests that authenticate from now on;
+        requests already past `authenticate` finish under the policy they started with.
+        Raises ValueError (and keeps the old policy) for a key under two tenants."""
+        self.policy = Policy.of(config)
+
+    @property
+    def tiers(self) -> Mapping[str, TierConfig]:
+        return self.policy.tiers
+
+    @property
+    def tenants(self) -> Mapping[str, TenantConfig]:
+        return self.policy.tenants
+
+    @property
+    def keys(self) -> KeyStore | None:
+        return self.policy.keys
+
     # -- 1. who is asking (headers only) ------------------------------------------------
 
     def authenticate(self, headers: Mapping[str, str], ctx: RequestCtx) -> None:
-        if self.keys is not None:
-            who = self.keys.authenticate_headers(headers)
+        policy = ctx.policy = self.policy  # this request's, to its end
+        if policy.keys is not None:
+            who = policy.keys.authenticate_headers(headers)
             if isinstance(who, ApiError):
                 raise who
             ctx.tenant = who
-            ctx.tier = self.tenants[who].tier
-        tier = self.tiers[ctx.tier]
+            ctx.tier = policy.tenants[who].tier
+        tier = policy.tiers[ctx.tier]
         ctx.priority = tier.priority
         if tier.timeouts is not None:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
@@ -84,8 +121,9 @@ class Tenancy:
         req = ctx.req
         assert req is not None
         spec = req.spec  # the route's rules: count, output bound, KV, migration
-        tier = self.tiers[ctx.tier]
-        limits = self.limits[ctx.tier]
+        policy = _pinned(ctx)
+        tier = policy.tiers[ctx.tier]
+        limits = policy.limits[ctx.tier]
         ctx.stream.migrate = ctx.stream.track_text = (
             tier.migrate and spec.migratable and req.stream and req.n == 1
         )
@@ -136,7 +174,7 @@ class Tenancy:
         otherwise a flood of oversized requests costs its sender nothing (issue 11, item 5).
         Only the request rate is charged; nothing is held."""
         self.shed(ctx, "tier_limit")
-        rpm = self.limits[ctx.tier].requests_per_min
+        rpm = _pinned(ctx).limits[ctx.tier].requests_per_min
         if rpm is None:
             return
         now = clock.monotonic()
@@ -147,7 +185,7 @@ class Tenancy:
     # -- 3. rates and concurrency -------------------------------------------------------
 
     async def rates(self, ctx: RequestCtx) -> None:
-        limits = self.limits[ctx.tier]
+        limits = _pinned(ctx).limits[ctx.tier]
         if not (limits.requests_per_min or limits.prompt_tokens_per_min or limits.max_concurrent):
             return
         req = ctx.req
@@ -215,21 +253,28 @@ class Tenancy:
         self.metrics.record_shed(ctx.tenant, ctx.tier, reason, clock.monotonic() - ctx.started)
 
     def tier(self, name: str) -> TierConfig:
-        return self.tiers[name]
+        return self.policy.tiers[name]
 
     def summary(self) -> dict[str, object]:
         """For the admin API."""
+        policy = self.policy
         return {
             "backend": self.ratelimit.backend,
             "fail_mode": self.ratelimit.fail_mode,
             "degraded": self.backend.degraded,
-            "tenants": len(self.tenants),
-            "open": self.keys is None,
+            "tenants": len(policy.tenants),
+            "open": policy.keys is None,
             "admission": self.admission.enabled,
         }
 
     async def close(self) -> None:
         await self.backend.close()
+
+
+def _pinned(ctx: RequestCtx) -> Policy:
+    policy = ctx.policy
+    assert isinstance(policy, Policy), "authenticate() runs first"
+    return policy
 
 
 def warn_if_open(config: GatewayConfig) -> None:

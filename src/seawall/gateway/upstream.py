@@ -18,6 +18,7 @@ It must not decide retries, pick replicas or touch the client: the dispatcher do
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,10 +67,15 @@ def _failed(
 class UpstreamStream(Protocol):
     """An upstream response being read: what the relay needs of it (see `H1Connection`)."""
 
-    headers: dict[str, str]
-    complete: bool  # the response ended
-    stopped: bool  # the sink ended the relay
-    paused: bool  # reading paused until the client's socket drains
+    # Read-only here: the connection sets them (an alias's restamping wrapper delegates).
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def complete(self) -> bool: ...  # the response ended
+    @property
+    def stopped(self) -> bool: ...  # the sink ended the relay
+    @property
+    def paused(self) -> bool: ...  # reading paused until the client's socket drains
 
     def relay(self, sink: Sink) -> None: ...
     async def wait_relay(self) -> None: ...
@@ -115,9 +121,11 @@ class Upstream(Protocol):
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         """Send the request and wait for its first token (streaming) or whole body;
-        raise `AttemptFailed` otherwise. Cancellation closes the connection."""
+        raise `AttemptFailed` otherwise. Cancellation closes the connection. `trace`:
+        the W3C trace context headers for the replica (see telemetry.py)."""
         ...
 
     def close(self) -> None: ...
@@ -133,7 +141,10 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def upstream_headers(
-    replica: Replica, request_id: str, content_type: str | None = None
+    replica: Replica,
+    request_id: str,
+    trace: Mapping[str, str] | None = None,
+    content_type: str | None = None,
 ) -> dict[str, str]:
     """The headers sent with a request. `content_type`: the client's, forwarded as given
     (a multipart boundary must reach the engine, and vLLM answers a body labelled
@@ -143,6 +154,8 @@ def upstream_headers(
     headers = {"Content-Type": content_type or "application/json", "X-Request-Id": request_id}
     if replica.api_key:
         headers["Authorization"] = f"Bearer {replica.api_key}"
+    if trace:
+        headers.update(trace)  # traceparent, tracestate: checked or made by telemetry.py
     return headers
 
 
@@ -161,9 +174,10 @@ class H1Upstream:
         request_id: str,
         timeout_s: float,
         timeout_outcome: Attempt,
+        trace: Mapping[str, str] | None = None,
     ) -> Opened:
         return await open_attempt(
-            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome
+            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome, trace
         )
 
     def close(self) -> None:
@@ -179,6 +193,7 @@ async def open_attempt(
     request_id: str,
     timeout_s: float,
     timeout_outcome: Attempt,
+    trace: Mapping[str, str] | None = None,
 ) -> Opened:
     """Send the request and wait for its first token (streaming) or whole body.
 
@@ -189,7 +204,7 @@ async def open_attempt(
     conn: H1Connection | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            headers = upstream_headers(replica, request_id, req.content_type)
+            headers = upstream_headers(replica, request_id, trace, req.content_type)
             conn = await pool.request(replica.endpoint, path, headers, body)
             if conn.status != 200:
                 raise await _http_failure(conn)

@@ -36,6 +36,8 @@ class FilePart:
 class Form:
     fields: dict[str, str] = field(default_factory=dict)  # only the wanted ones
     files: list[FilePart] = field(default_factory=list)
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # wanted fields' bytes
+    end: int = 0  # where the close delimiter begins
 
 
 def boundary_of(content_type: str | None) -> bytes | None:
@@ -61,8 +63,10 @@ def scan(raw: bytes, boundary: bytes, wanted: frozenset[str]) -> Form:
     if pos < 0:
         raise _invalid("no boundary line")
     while True:
+        start = pos
         pos += len(delimiter)
         if raw.startswith(b"--", pos):
+            form.end = start
             return form  # the close delimiter
         line_end = raw.find(b"\r\n", pos)
         if line_end < 0:
@@ -86,6 +90,7 @@ def scan(raw: bytes, boundary: bytes, wanted: frozenset[str]) -> Form:
                 raise bad_request(
                     f"The form field `{name}` is longer than {MAX_FIELD_BYTES} bytes.", name
                 )
+            form.spans[name] = (content_start, content_end)
             try:
                 form.fields[name] = raw[content_start:content_end].decode("utf-8")
             except UnicodeDecodeError:
@@ -104,3 +109,19 @@ def _disposition(headers: bytes) -> tuple[str | None, bool]:
         name = match.group(1).replace('\\"', '"') if match else None
         return name, _FILENAME.search(text) is not None
     return None, False
+
+
+def with_field(raw: bytes, boundary: bytes, name: str, value: str) -> bytes:
+    """The form with text field `name` set to `value` (added before the close delimiter if
+    it has none). A copy of the body: only for a replica that serves the model under
+    another name (`gateway/aliases.py`)."""
+    form = scan(raw, boundary, frozenset({name}))
+    data = value.encode("utf-8")
+    span = form.spans.get(name)
+    if span is not None:
+        return raw[: span[0]] + data + raw[span[1] :]
+    part = (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="'
+        + name.encode("utf-8") + b'"\r\n\r\n' + data + b"\r\n"
+    )  # fmt: skip
+    return raw[: form.end] + part + raw[form.end :]

@@ -106,6 +106,14 @@ class ParsedRequest:
         self.obj[key] = value
         self.edited = True
 
+    def with_model(self, served: str) -> bytes:
+        """The body as sent to a replica that serves the model under `served` (a form's
+        `model` field rewritten; a JSON body's by `gateway/aliases.py`)."""
+        boundary = multipart.boundary_of(self.content_type)
+        if self.spec.body != "multipart" or boundary is None:
+            raise TypeError("only a multipart body is rewritten here")
+        return multipart.with_field(self.raw, boundary, "model", served)
+
     def body_bytes(self) -> bytes:
         if not self.edited:
             return self.raw

@@ -43,7 +43,7 @@ class Constraint:
     """One structured-output constraint of a request."""
 
     param: str  # where the request put it (named in a refusal)
-    value: object  # a JSON schema or value, or the text of a regex/grammar/tag
+    value: object  # a JSON schema or value (or its JSON text), or a regex/grammar/tag
     text: bool = False  # `value` is text to be compiled (regex, grammar, tag)
 
 
@@ -83,19 +83,17 @@ def text_shape(text: str) -> Shape:
 
 
 def shape(constraint: Constraint) -> Shape:
+    value = constraint.value
     if constraint.text:
-        return text_shape(str(constraint.value))
-    return json_shape(constraint.value)
-
-
-def _json_or_text(param: str, value: Any) -> Constraint:
-    """`structured_outputs.json` may be a schema or a schema's JSON text."""
+        return text_shape(str(value))
     if isinstance(value, str):
+        # `structured_outputs.json` may be a schema's JSON text: measured only when a
+        # limit asks, so a request without one never pays for decoding it
         try:
-            return Constraint(param, orjson.loads(value))
+            return json_shape(orjson.loads(value))
         except orjson.JSONDecodeError:
-            return Constraint(param, value, text=True)
-    return Constraint(param, value)
+            return text_shape(value)
+    return json_shape(value)
 
 
 def _structured_outputs(obj: dict[str, Any], found: list[Constraint]) -> None:
@@ -103,7 +101,7 @@ def _structured_outputs(obj: dict[str, Any], found: list[Constraint]) -> None:
     if not isinstance(so, dict):
         return
     if so.get("json") is not None:
-        found.append(_json_or_text("structured_outputs.json", so["json"]))
+        found.append(Constraint("structured_outputs.json", so["json"]))
     for key in ("regex", "grammar", "structural_tag"):
         value = so.get(key)
         if value is not None:

@@ -1,6 +1,6 @@
 """`seawall up`: a whole local fleet in one command, with a live view.
 
-    seawall up --demo                  3 sim replicas + gateway + a little traffic, 60 s
+    seawall up --demo                  3 sim replicas + gateway + traffic + status page, 60 s
     seawall up --config fleet.yaml     your fleet (see examples/fleet.yaml), until Ctrl-C
 
 Ctrl-C or SIGTERM stops the traffic, lets the gateway drain, stops every replica, and
@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from seawall.auth import hash_key, new_key
 from seawall.up.config import UpConfigError, check_gateway_config, demo_config, load_up_config
 from seawall.up.runner import Session, run_session
 
@@ -54,8 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The demo's admin API gets a token of its own, made for this run and shown once with
+    # the status page's address (the page reads it from the URL's #token= and drops it).
+    admin_token = new_key() if args.demo else None
     try:
-        config = demo_config() if args.demo else load_up_config(args.config)
+        config = (
+            demo_config(hash_key(admin_token) if admin_token else None)
+            if args.demo
+            else load_up_config(args.config)
+        )
         check_gateway_config(config, "demo" if args.demo else args.config)
     except UpConfigError as e:
         print(f"seawall up: {e}", file=sys.stderr)
@@ -86,5 +94,6 @@ def run(args: argparse.Namespace) -> int:
             gateway_port=args.gateway_port,
             live=live,
             title="seawall up --demo" if args.demo else f"seawall up --config {args.config}",
+            admin_token=admin_token,
         )
     )

@@ -5,7 +5,8 @@ name the field and what it accepts, the built-in `--demo` config, and merging th
 started replicas into the gateway's config.
 
 Must not: know the gateway's schema. `gateway:` is the lead's `seawall serve` config,
-passed through as an opaque mapping; `up` only adds `replicas:` and `listen:` to it.
+passed through as an opaque mapping; `up` only adds `replicas:` and `listen:` to it (and
+the demo writes its own: a tier that migrates streams, the admin API for the status page).
 """
 
 from __future__ import annotations
@@ -87,15 +88,21 @@ class UpConfig(_Strict):
     traffic: TrafficConfig | None = None  # null = no traffic of our own
 
 
-def demo_config() -> UpConfig:
+def demo_config(admin_token_hash: str | None = None) -> UpConfig:
     """`--demo`: three sim replicas (faults enabled, so the demo can crash one) behind
-    the gateway, with a little steady traffic."""
+    the gateway, with steady streamed traffic whose tier opts into mid-stream migration
+    (so a crash shows what the gateway saves), and, given a token's hash, the admin API
+    with the status page on a free port."""
+    gateway: dict[str, Any] = {"tiers": {"default": {"migrate": True}}}
+    if admin_token_hash is not None:
+        gateway["admin"] = {"enabled": True, "port": 0, "token_hash": admin_token_hash}
     return UpConfig(
         fleet=FleetConfig(
             replicas=3, model="sim-model", command=[*DEFAULT_COMMAND, "--enable-faults"]
         ),
-        gateway={},
-        traffic=TrafficConfig(concurrency=3, prompt_tokens=32, max_tokens=24),
+        gateway=gateway,
+        # Streams long enough that a crash finds several in flight.
+        traffic=TrafficConfig(concurrency=6, prompt_tokens=32, max_tokens=96),
     )
 
 

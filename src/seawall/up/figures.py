@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from seawall.loadgen import RequestResult, percentile
-from seawall.metrics import REQUESTS, RETRIES, TTFT
+from seawall.metrics import INFLIGHT, MIGRATIONS, REQUESTS, RETRIES, STREAM_ERRORS, TTFT
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +73,17 @@ class TrafficTally:
 
 @dataclass(frozen=True, slots=True)
 class GatewayFigures:
-    requests_ok: int
-    requests_failed: int  # any non-200 answer the gateway gave
+    """The gateway's own count of what it answered, in the client's categories: a stream
+    that broke after its 200 is `dropped`, not ok (the status counter alone says 200)."""
+
+    requests_ok: int  # answered 200 and, if streamed, ended with [DONE]
+    requests_failed: int  # an error answer (not 200), the client's leaving aside
+    requests_dropped: int  # streams that started and then ended with an error event
+    client_left: int  # the client went away first (499 in the access log)
     ttft_p50_s: float | None  # from the histogram buckets, as Prometheus would estimate it
     retries: int
+    migrations_ok: int = 0
+    inflight: dict[str, int] = field(default_factory=dict)  # replica -> requests on it now
 
 
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -102,23 +109,99 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | 
 
 
 def parse_gateway_metrics(text: str) -> GatewayFigures:
-    ok = failed = retries = 0.0
+    answered_200 = failed = left = retries = dropped = migrated = 0.0
     buckets: dict[float, float] = {}
+    inflight: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == REQUESTS:
-                if sample.labels.get("status") == "200":
-                    ok += sample.value
+            name = sample.name
+            if name == REQUESTS:
+                status = sample.labels.get("status")
+                if status == "200":
+                    answered_200 += sample.value
+                elif status == "499":
+                    left += sample.value
                 else:
                     failed += sample.value
-            elif sample.name == RETRIES:
+            elif name == STREAM_ERRORS:
+                dropped += sample.value
+            elif name == MIGRATIONS:
+                if sample.labels.get("outcome") == "ok":
+                    migrated += sample.value
+            elif name == RETRIES:
                 retries += sample.value
-            elif sample.name == TTFT + "_bucket":
+            elif name == INFLIGHT:
+                inflight[sample.labels["replica"]] = int(sample.value)
+            elif name == TTFT + "_bucket":
                 le = float(sample.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + sample.value
     return GatewayFigures(
-        requests_ok=int(ok),
+        requests_ok=int(answered_200 - dropped),
         requests_failed=int(failed),
+        requests_dropped=int(dropped),
+        client_left=int(left),
         ttft_p50_s=histogram_quantile(list(buckets.items()), 0.5),
         retries=int(retries),
+        migrations_ok=int(migrated),
+        inflight=inflight,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica's load as the live view shows it."""
+
+    in_flight: int | None  # requests the gateway has on it; None: no gateway to ask
+    kv_usage: float | None  # the engine's KV cache use in [0, 1], as last scraped
+    score: float | None  # the routing score in (0, 1]; None: not judged yet
+
+
+@dataclass(frozen=True, slots=True)
+class Crash:
+    """A replica crashed on purpose, and the gateway's counts at that moment."""
+
+    replica: str
+    in_flight: int  # requests on it when it crashed
+    streaming: int  # of those, streams the client was already reading
+    before: GatewayFigures
+
+
+@dataclass(frozen=True, slots=True)
+class CrashOutcome:
+    replica: str
+    in_flight: int
+    streaming: int
+    migrated: int  # streams that went on from another replica
+    retried: int  # requests before their first token, answered by another replica
+    failed: int  # dropped streams and error answers since the crash
+
+    def text(self) -> str:
+        return (
+            f"crash of {self.replica} with {self.in_flight} request(s) in flight "
+            f"({self.streaming} streaming): {self.migrated} migrated, {self.retried} retried, "
+            f"{self.failed} failed (a plain proxy would have cut {self.in_flight})"
+        )
+
+
+def crash_outcome(crash: Crash, after: GatewayFigures) -> CrashOutcome:
+    """What became of the requests in flight on a crashed replica, from the gateway's
+    counts before and after (read once the replica had nothing left in flight).
+
+    Each one ends saved or failed: every failure the gateway counted since the crash is
+    charged to it (so unrelated failures can only make Seawall look worse), the saved
+    streams are the migrations, and the rest were saved by a retry before their first
+    token."""
+    b = crash.before
+    failed = (after.requests_dropped - b.requests_dropped) + (
+        after.requests_failed - b.requests_failed
+    )
+    saved = max(0, crash.in_flight - failed)
+    migrated = min(after.migrations_ok - b.migrations_ok, saved)
+    return CrashOutcome(
+        replica=crash.replica,
+        in_flight=crash.in_flight,
+        streaming=crash.streaming,
+        migrated=migrated,
+        retried=saved - migrated,
+        failed=min(failed, crash.in_flight),
     )

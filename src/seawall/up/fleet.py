@@ -46,7 +46,7 @@ from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
 from seawall.fleet.view import FleetSnapshot
 from seawall.up.config import UpConfig, gateway_config, python_argv
-from seawall.up.figures import GatewayFigures, parse_gateway_metrics
+from seawall.up.figures import GatewayFigures, ReplicaLoad, parse_gateway_metrics
 
 HOST = "127.0.0.1"
 GATEWAY_STARTUP_S = 60.0  # `seawall serve` that is not healthy by then is restarted
@@ -126,6 +126,18 @@ class GatewayRunner(Protocol):
     def routing(self) -> dict[str, str]:
         """Replica id -> the fleet monitor's state for it (ready, degraded, cordoned...),
         where this runner can see the monitor; {} where it cannot."""
+        ...
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        """Replica id -> its load, where this runner can see the gateway's own view."""
+        ...
+
+    def in_flight(self, replica_id: str) -> tuple[int, int] | None:
+        """(requests, of which streaming) on the replica now; None where not visible."""
+        ...
+
+    def status_url(self) -> str:
+        """The admin API's status page, when it runs and its address is known; else ""."""
         ...
 
     async def close(self) -> None: ...
@@ -216,6 +228,17 @@ class GatewayProcess:
 
     def routing(self) -> dict[str, str]:
         return {}  # the monitor is in the other process
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        return {}  # `LocalFleet` joins /metrics' in-flight counts with its own monitor
+
+    def in_flight(self, replica_id: str) -> tuple[int, int] | None:
+        return None
+
+    def status_url(self) -> str:
+        admin = self.base_config.get("admin") or {}
+        port = int(admin.get("port") or 0) if admin.get("enabled") else 0
+        return f"http://{admin.get('host') or HOST}:{port}/status" if port else ""
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -313,6 +336,29 @@ class InProcessGateway:
         return {
             rid: v.state if v.routable else f"{v.state} (not routed)" for rid, v in views.items()
         }
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        if self.gateway is None:
+            return {}
+        views = self.gateway.monitor.snapshot().replicas
+        out: dict[str, ReplicaLoad] = {}
+        for r in self.gateway.replicas.all():
+            v = views.get(r.id)
+            kv = v.load.kv_usage if v is not None and v.load is not None else None
+            out[r.id] = ReplicaLoad(r.counts.requests, kv, v.score if v is not None else None)
+        return out
+
+    def in_flight(self, replica_id: str) -> tuple[int, int] | None:
+        if self.gateway is None:
+            return None
+        counts = self.gateway.ledger.counts(replica_id)
+        return counts.requests, counts.streams
+
+    def status_url(self) -> str:
+        admin = self.gateway.admin if self.gateway is not None else None
+        if admin is None or admin.port is None:
+            return ""
+        return f"http://{self.gateway.config.admin.host}:{admin.port}/status"
 
     async def close(self) -> None:
         """Drain (in-flight requests finish, up to the drain timeout), then close. The
@@ -428,6 +474,18 @@ class LocalFleet:
             rid: v.state if v.routable else f"{v.state} (not routed)"
             for rid, v in self.monitor.snapshot().replicas.items()
         }
+
+    def loads(self, figures: GatewayFigures | None) -> dict[str, ReplicaLoad]:
+        """Replica id -> in flight (the gateway's count), KV use and routing score (the
+        judging monitor's). `figures`: the gateway's latest, for a gateway process."""
+        if self.monitor is None:
+            return self.gateway.loads() if self.gateway is not None else {}
+        inflight = figures.inflight if figures is not None else {}
+        out: dict[str, ReplicaLoad] = {}
+        for rid, v in self.monitor.snapshot().replicas.items():
+            kv = v.load.kv_usage if v.load is not None else None
+            out[rid] = ReplicaLoad(inflight.get(rid) if self.gateway else None, kv, v.score)
+        return out
 
     def subscribe(self, listener: Callable[[ReplicaEvent], None]) -> None:
         """Process events from the replicas and the gateway process."""

@@ -25,7 +25,7 @@ from rich.live import Live
 from seawall import clock
 from seawall.actuate.local import ReplicaEvent
 from seawall.up.config import UpConfig
-from seawall.up.figures import GatewayFigures, TrafficTally
+from seawall.up.figures import Crash, GatewayFigures, TrafficTally, crash_outcome
 from seawall.up.fleet import LocalFleet
 from seawall.up.traffic import Traffic, crash_replica
 from seawall.up.view import UpSnapshot, duration, plain_line, render, summary
@@ -66,7 +66,20 @@ class Output:
             print(f"event: {text}", flush=True)
 
 
-def describe(event: ReplicaEvent) -> str:
+# Supervisor events that change nothing a person should act on: `restart_refused` is a
+# restart asked for while one is already under way (the crash backoff), which read like
+# a problem in the view while the supervisor was doing exactly what was asked.
+NON_EVENTS = frozenset({"restart_refused"})
+# The demo's crash waits for streams in flight on a replica, this long at most; and its
+# report waits for the crashed replica's requests to end, this long at most.
+CRASH_WAIT_S = 5.0
+CRASH_REPORT_MAX_S = 15.0
+
+
+def describe(event: ReplicaEvent) -> str | None:
+    """The event as a line for the view, or None for a non-event (`NON_EVENTS`)."""
+    if event.kind in NON_EVENTS:
+        return None
     s = event.status
     text = f"{s.replica_id} {event.kind}"
     if event.kind == "starting":
@@ -102,8 +115,10 @@ class Session:
         gateway_port: int | None = None,
         live: bool = False,
         title: str = "seawall up",
+        admin_token: str | None = None,
     ) -> None:
         self.config = config
+        self.admin_token = admin_token  # the demo's own, shown once in the status URL
         self.log_dir = log_dir
         self.seconds = seconds
         self.crash_at_s = crash_at_s
@@ -115,6 +130,9 @@ class Session:
         self.traffic: Traffic | None = None
         self.traffic_started_at = 0.0
         self.crashed = False
+        self.crash: Crash | None = None  # crashed, its outcome not yet known
+        self.crash_reports: list[str] = []
+        self.crash_at = 0.0
         self.started_at = clock.monotonic()
         self.stop = asyncio.Event()
         self.gateway_figures: GatewayFigures | None = None
@@ -127,7 +145,9 @@ class Session:
         self.output.event(text)
 
     def _on_event(self, event: ReplicaEvent) -> None:
-        self.note(describe(event))
+        text = describe(event)
+        if text is not None:
+            self.note(text)
 
     def snapshot(self) -> UpSnapshot:
         gw = self.fleet.gateway
@@ -143,6 +163,9 @@ class Session:
             events=tuple(self.events),
             title=self.title,
             routing=self.fleet.routing(),
+            loads=self.fleet.loads(self.gateway_figures),
+            status_url=gw.status_url() if gw is not None else "",
+            crashes=tuple(self.crash_reports),
         )
 
     async def _tick(self) -> None:
@@ -160,19 +183,60 @@ class Session:
             self.traffic.start()
             self.traffic_started_at = clock.monotonic()
             self.note(f"traffic started → {', '.join(self.traffic.targets)}")
-        if (
-            self.crash_at_s
-            and self.traffic is not None
-            and not self.crashed
-            and clock.monotonic() - self.traffic_started_at >= self.crash_at_s
-        ):
-            self.crashed = True
-            replicas = self.fleet.replicas()
-            victim = replicas[1] if len(replicas) > 1 else replicas[0]
-            if await crash_replica(victim.url):
-                self.note(f"demo: crashed {victim.replica_id} on purpose; watch it restart")
+        if self.crash_at_s and self.traffic is not None and not self.crashed:
+            since_s = clock.monotonic() - self.traffic_started_at - self.crash_at_s
+            if since_s >= 0:
+                await self._demo_crash(force=since_s >= CRASH_WAIT_S)
         if self.fleet.gateway is not None:
             self.gateway_figures = await self.fleet.gateway.figures() or self.gateway_figures
+        if self.crash is not None:
+            self._report_crash()
+
+    async def _demo_crash(self, force: bool) -> None:
+        """Crash the replica with the most streams in flight (once one has some, or
+        `force`), and keep the gateway's counts from just before, for the report."""
+        gw = self.fleet.gateway
+        replicas = [r for r in self.fleet.replicas() if r.state == "running"]
+        if not replicas:
+            return
+        in_flight = {r.replica_id: gw.in_flight(r.replica_id) if gw else None for r in replicas}
+        victim = max(
+            replicas, key=lambda r: (in_flight[r.replica_id] or (0, 0))[::-1], default=None
+        )
+        if victim is None:
+            return
+        counts = in_flight[victim.replica_id]
+        if counts is not None and counts[1] == 0 and not force:
+            return  # no stream to save yet: a crash now would show nothing
+        before = await gw.figures() if gw is not None else None
+        self.crashed = True
+        if not await crash_replica(victim.url):
+            return
+        if counts is None or before is None:
+            self.note(f"demo: crashed {victim.replica_id} on purpose; watch it restart")
+            return
+        requests, streams = counts
+        self.note(
+            f"demo: crashed {victim.replica_id} on purpose with {requests} request(s) in "
+            f"flight ({streams} streaming); watch it restart"
+        )
+        self.crash = Crash(victim.replica_id, requests, streams, before)
+        self.crash_at = clock.monotonic()
+
+    def _report_crash(self) -> None:
+        """Once the crashed replica has nothing in flight, what became of its requests."""
+        crash, gw = self.crash, self.fleet.gateway
+        assert crash is not None and gw is not None
+        left = gw.in_flight(crash.replica)
+        waited_s = clock.monotonic() - self.crash_at
+        if (left is not None and left[0] > 0 and waited_s < CRASH_REPORT_MAX_S) or (
+            self.gateway_figures is None
+        ):
+            return
+        text = crash_outcome(crash, self.gateway_figures).text()
+        self.crash = None
+        self.crash_reports.append(text)
+        self.note(text)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -210,8 +274,12 @@ class Session:
         return code
 
     async def _loop(self) -> None:
-        if self.fleet.gateway is not None:
-            print(f"seawall up: gateway on {self.fleet.gateway.url}", flush=True)
+        gw = self.fleet.gateway
+        if gw is not None:
+            print(f"seawall up: gateway on {gw.url}", flush=True)
+            if url := gw.status_url():
+                token = f"#token={self.admin_token}" if self.admin_token else ""
+                print(f"seawall up: status page {url}{token}", flush=True)
         while not self.stop.is_set():
             left_s = self.seconds - self._elapsed() if self.seconds else TICK_S
             if left_s <= 0:
