@@ -460,3 +460,64 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------- output lengths
+
+
+def exact_prompt(rng: Any, n: int) -> str:
+    """n tokens for the sim's tokenizer that the gateway's estimate (no tokenizer configured:
+    ceil(bytes/3) per word, plus 1) also counts exactly: two-letter vocabulary words, each
+    one token. Random, so distinct prompts share no prefix-cache blocks."""
+    from seawall.sim import textgen
+
+    pool = [w for w in textgen.WORDS if len(w) <= 2]
+    return "".join(" " + rng.choice(pool) for _ in range(n))
+
+
+def natural_length(prompt: str, max_tokens: int, server_seed: int = 0) -> int:
+    """The completion tokens `seawall sim --seed server_seed` generates for `prompt` at
+    temperature 0 without `ignore_eos`: the first EOS (counted) or `max_tokens`.
+
+    The emulator's next token is a pure function of (seed, context), so a benchmark can pick
+    prompts by the length the engine will sample for them: EOS is still sampled by the
+    engine, and the gateway sees nothing but ordinary requests with `max_tokens` far above
+    their use."""
+    from seawall.sim import textgen
+
+    key = textgen.sampling_key(server_seed, 0.0, None)
+    h = textgen.hash_tokens(textgen.tokenize(prompt))
+    for n in range(1, max_tokens + 1):
+        token = textgen.next_token(key, h)
+        if token == textgen.EOS_ID:
+            return n
+        h = textgen.extend_hash(h, token)
+    return max_tokens
+
+
+class LengthPool:
+    """Prompts bucketed by the output length the sim will give them: `take(lo, hi)` returns
+    an unused prompt whose natural length is in [lo, hi], generating more as needed (each
+    candidate costs about 0.5 ms), so every request of a run is distinct."""
+
+    def __init__(self, seed: int, prompt_tokens: int, max_tokens: int) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self._spare: list[tuple[int, str]] = []
+
+    def take(self, lo: int, hi: int, tries: int = 20_000) -> tuple[str, int]:
+        for i, (length, prompt) in enumerate(self._spare):
+            if lo <= length <= hi:
+                del self._spare[i]
+                return prompt, length
+        for _ in range(tries):
+            prompt = exact_prompt(self.rng, self.prompt_tokens)
+            length = natural_length(prompt, self.max_tokens)
+            if lo <= length <= hi:
+                return prompt, length
+            if len(self._spare) < 5000:
+                self._spare.append((length, prompt))
+        raise RuntimeError(f"no prompt of natural length in [{lo}, {hi}] after {tries} tries")

@@ -1,85 +1,68 @@
-"""Fleet admission under overload: preemptions, throughput and shed latency, with and without.
+"""Fleet admission under overload, per workload: preemptions, throughput, TTFT, starvation.
 
-    python bench/bench_admission.py [--replicas 2] [--kv-blocks 100] [--seconds 20]
-        [--variant '{"kv_usage_max": 1.0, "inflight_max": 5}' ...] [--runs 0,1,2,5]
-        [--jitter 0.5] [--prompt-style exact|prose]
+    python bench/bench_admission.py [--workloads full,eos,mix,shift] [--modes none,reserve,adaptive]
+        [--replicas 2] [--factor 3] [--seconds S] [--variant '{"adaptive": {"kv_high": 0.9}}' ...]
 
-About 2.5 minutes with the defaults (five runs of ~26 s, each a fresh gateway).
+About 8 minutes with the defaults (four workloads, three or four runs each, each run a
+fresh gateway in front of the workload's own sims). `--seconds` shortens every run (the
+shift then happens at a third of it).
 
-The issue's goal: against `seawall sim` replicas with a small KV cache, at three times the
-fleet's capacity, (a) the engines' preemptions stay at most 5% of what the same load
-causes without admission control, (b) the fleet's generated tokens/s stay at least 90% of
-what it completes at capacity, and (c) shed requests are answered within 5 ms (p99).
+What it answers (issue 17): at `--factor` (3) times a small-KV fleet's capacity, does the
+gateway's admission keep the engines out of preemption storms without giving throughput
+away? Each workload runs the same load three ways in one process, one after the other:
+`none` (`admission.enabled: false`), `reserve` (every request reserves prompt +
+max_tokens: the rule before issue 17) and `adaptive` (the default: reserve on learned
+output lengths, corrected by the engine's gauges; see policy/adaptive_admission.py).
 
-Setup. `--replicas` sims with `--kv-blocks` blocks of `--block-size` tokens (one block is
-vLLM's null block, never used), default step costs (10 ms + 0.1 ms per sequence + 0.05 ms
-per prefill token). Every request is a streamed completion of a distinct `--prompt-tokens`
-prompt (random pseudo-words, so the prefix cache never shares blocks) with `--max-tokens`
-and `ignore_eos`, so each one ends holding ceil((prompt+max_tokens)/block) blocks. With
-`--prompt-style exact` (default) the words are ones the gateway's token estimate (no
-tokenizer configured) counts exactly as the engine does, so what the gateway reserves
-per request is what the engine will use; `prose` uses all words, which the estimate
-counts about twice (see `make_prompt`).
+Workloads (prompts of `--prompt-tokens` (100) exact tokens, streamed completions):
+- full:  `ignore_eos`, max_tokens 200, 100-block sims: every request runs to max_tokens,
+         where no admission storms (the benchmark before issue 17).
+- eos:   EOS sampled, max_tokens 1000, 200-block sims: outputs as the sim samples them
+         (about 1 EOS in 330 tokens: mean ~315, long tail cut at 1000).
+- mix:   EOS sampled, max_tokens 1000: 85% short chats (natural length 1-120 tokens) and
+         15% long generations (500-1000).
+- shift: EOS sampled, max_tokens 1000: short chats (1-120) until a third of the run, then
+         long generations (500-1000) only.
+How lengths are chosen while EOS is still sampled by the engine: every sim runs with
+`--seed 0`, so at temperature 0 the output of a prompt is a pure function of the prompt;
+the benchmark computes it with the emulator's own generator (`_common.natural_length`) and
+picks prompts whose natural length falls in the class wanted. The gateway sees ordinary
+requests with max_tokens far above use; each prompt is used once (no prefix-cache sharing).
 
-Capacity is computed from the blocks, not probed: per replica
-floor((kv_blocks - 1) / ceil((prompt + max_tokens) / block_size)), the most requests that
-can run to their full length together without the engine ever preempting; the fleet's
-capacity is that times the replicas. The balancer need not split the clients evenly, so
-run 0 (capacity, no admission) can still preempt: "max run" shows the split.
-
-Runs, one gateway each (fresh process, so the fleet monitor's state does not carry
-over), same sims, `--seconds` of load each, then up to `--grace` seconds for the streams
-in flight to finish (then they are cut):
-
-  0. capacity, no admission `capacity` clients, `admission.enabled: false`: what the
-                           fleet completes at capacity when nothing is shed
-  1. capacity, admission   `capacity` clients through the gateway with admission (defaults)
-  2. 3x, no admission      `3 x capacity` clients, `admission.enabled: false`
-  3. 3x, admission         `3 x capacity` clients, admission defaults
-  4. 3x, inflight_max=C    as 3, plus `admission.inflight_max` = per-replica capacity
-  5+ each `--variant JSON`: as 3 with those `admission:` overrides
-
-Every gateway runs with `fleet.scrape_interval_s` = `--scrape-interval` (0.2 s). The
-load is sent as a tier of priority 1 (`tiers.default.priority: 1`), above the default
-`lowest_priority_to_queue` of 0, so when the fleet is saturated it is shed at once (429)
-rather than held in the gateway queue for up to `queue_timeout_s`; the figure the issue
-asks for is the latency of that refusal. A client that gets a 429 waits
-min(Retry-After, `--backoff`) and sends again (bounded by the run's time and a count);
-every 429 counts as one shed.
+Clients. Capacity per replica is floor(usable blocks / blocks of prompt + max_tokens): the
+most requests that can run to max_tokens together without the engine preempting (the
+definition of the issue's table: 2 x 200-block sims, max_tokens 1000 -> 4, so 12 clients at
+3x). `--factor` x capacity x replicas closed-loop clients (`--clients` overrides). The
+mean blocks per request of the workload's lengths is printed beside it. A 429 waits
+min(Retry-After, `--backoff`) and resends the same request; every 429 counts as one
+shed. The load is a tier of priority 1, above `lowest_priority_to_queue` 0, so a
+saturated fleet sheds at once rather than queueing.
+`full` also runs `capacity` clients with admission off: the fleet's full-length capacity.
 
 Figures per run:
-- preemptions: delta of the engines' `vllm:num_preemptions_total` (summed over replicas)
-  from the start of the load to the end of its drain, so all the work the load caused;
-- max run: the most requests running in one engine, sampled every 0.25 s (the KV
-  cache holds `capacity` per replica at full length);
-- done: streams that ended with `[DONE]`; cut: still running at the end of the grace;
-  starved: requests shed at least once and never served before the load ended (the
-  TTFT and wait percentiles cover served requests only, so they hide these);
-- tok/s: delta of the engines' `vllm:generation_tokens_total` over the load window
-  after a warm-up (`--warmup`, the first 3 s: the clients all start together), divided by
-  its length: tokens the fleet generated per second in steady state;
-- TTFT p50/p99: client-observed, from sending the attempt that was served to its first
-  content token; "wait p50/p99": from the client's FIRST attempt for that request (the
-  429 back-offs included) to the first token;
-- shed: 429s the clients got; shed p50/p99: client-observed, from sending to the 429
-  status line; gw shed p50/p99: quantiles of the gateway's own
-  `seawall_shed_latency_seconds` histogram (linear within buckets, as PromQL's
-  histogram_quantile), read after the run; floor p50/p99: GET /readyz from the same
-  client every 50 ms during the load, the cheapest answer the gateway gives: what any
-  answer costs on this machine with this client and this gateway event loop; lag p99:
-  how late the client's own event loop wakes from a 50 ms sleep (its share of the above);
-- probe shed/p50/p99 (overloaded runs with admission only): a quiet prober in its own
-  process (blocking http.client, keep-alive) sends a 1-token completion every 20 ms
-  during the window and times each 429 from sending to the status line: the gateway's
-  shed latency as a client sees it, without the load client's own event-loop lag;
-  probe floor p99: the prober's GET /readyz, sent just before each of its completions.
-
-Then the ratios against the goals, with PASS/MISS, for each protected overloaded run:
-preemptions against run 2; tokens/s against run 1 (the brief's baseline) and run 0
-(capacity with nothing shed); shed p99 as the load's clients, the prober and the
-gateway's histogram see it.
-The machine may be shared (header: cores, load average); latencies on a loaded machine
-include the wait for a core.
+- preempt: delta of the engines' `vllm:num_preemptions_total` from the load's start to
+  the end of its drain (all the work the load caused); rate/replica: that / replicas /
+  (load + drain seconds), the storm alert's `rate(vllm:num_preemptions_total[5m])` per
+  replica if the run were five minutes long; peak 10s: the worst 10-second window, per
+  replica, from samples every 0.25 s;
+- max run: most requests running in one engine (sampled); done / cut / starved: streams
+  ended with [DONE], still running after `--grace`, clients shed at least once and never
+  served during the run;
+- tok/s: delta of `vllm:generation_tokens_total` over the load after `--warmup`;
+- TTFT p50/p99: of served requests, from sending the attempt that was served to its first
+  content token; wait p99: from the request's first attempt (429 back-offs included);
+- shed, shed p99 (client-observed 429 latency), and for `full` the quiet prober's shed
+  p99 (one blocking client in its own process, a 1-token request every 20 ms);
+- level: the adaptive controller's reserve level (`seawall_admission_reserve_level`, max
+  over replicas) at the end of the load, and its peak. Every run's samples (per replica
+  preemptions and running, the level, every 0.25 s) go to `<workload>-<mode>-samples.json`
+  in the log directory.
+Goals (PASS/MISS), adaptive against none in the same workload: preemption rate per replica
+under the alert's 0.5/s; TTFT p99 no worse; no client starved; for eos/mix/shift tokens/s
+>= 95% of none's; for full preemptions <= 5% of none's and tokens/s >= 90% of the capacity
+run's; for shift, the level rose before the first preemption after the shift (or none
+came). The machine may be shared (header: cores, load average): the lead's figures come
+from a quiet machine.
 """
 
 from __future__ import annotations
@@ -99,9 +82,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
     REPO,
+    LengthPool,
     Proc,
+    exact_prompt,
     free_port,
     machine_context,
+    natural_length,
     percentile,
     print_table,
     seawall_env,
@@ -111,9 +97,102 @@ from _common import (
 
 MODEL = "sim-model"
 LOGS = REPO / "bench" / "results" / "admission-logs"
-GOAL_PREEMPT_RATIO = 0.05
-GOAL_TOKENS_RATIO = 0.90
+STORM_RATE_PER_REPLICA = 0.5  # the seed's alert: rate(vllm:num_preemptions_total[5m]) > 0.5
+GOAL_TOKENS_REALISTIC = 0.95
+GOAL_PREEMPT_FULL = 0.05
+GOAL_CAPACITY_FULL = 0.90
 GOAL_SHED_P99_S = 0.005
+SAMPLE_S = 0.25
+MODES: dict[str, dict[str, Any]] = {
+    "none": {"enabled": False},
+    "reserve": {"mode": "reserve"},
+    "adaptive": {"mode": "adaptive"},
+}
+
+# ----------------------------------------------------------------------------- workloads
+
+Classes = tuple[tuple[float, int, int], ...]  # (share, natural length lo, hi)
+SHORT: Classes = ((1.0, 1, 120),)
+LONG: Classes = ((1.0, 500, 1000),)
+MIX: Classes = ((0.85, 1, 120), (0.15, 500, 1000))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kv_blocks: int
+    max_tokens: int
+    ignore_eos: bool = False
+    classes: Classes | None = None  # None: the natural (sampled) lengths
+    after_shift: Classes | None = None  # the classes after `shift_at` of the run
+    shift_at: float = 1 / 3  # share of the load's seconds
+    seconds: float = 20.0
+
+
+WORKLOADS = {
+    "full": Workload("full", kv_blocks=100, max_tokens=200, ignore_eos=True),
+    "eos": Workload("eos", kv_blocks=200, max_tokens=1000),
+    "mix": Workload("mix", kv_blocks=200, max_tokens=1000, classes=MIX),
+    "shift": Workload(
+        "shift", kv_blocks=200, max_tokens=1000, classes=SHORT, after_shift=LONG, seconds=30.0
+    ),
+}
+
+
+class Prompts:
+    """The requests of one run: prompts of known natural length, drawn by class."""
+
+    def __init__(self, w: Workload, args: argparse.Namespace, seed: int) -> None:
+        self.w = w
+        self.args = args
+        self.rng = random.Random(seed)
+        self.pool = LengthPool(seed, args.prompt_tokens, w.max_tokens)
+        self.ready: dict[tuple[int, int], list[tuple[str, int]]] = {}
+
+    def prepare(self, counts: dict[tuple[int, int], int]) -> None:
+        """Generate before the load (about 0.5 ms per candidate) so the load never waits."""
+        for (lo, hi), n in counts.items():
+            bucket = self.ready.setdefault((lo, hi), [])
+            while len(bucket) < n:
+                bucket.append(self.pool.take(lo, hi))
+
+    def next(self, shifted: bool) -> tuple[str, int]:
+        w = self.w
+        classes = w.after_shift if shifted and w.after_shift else w.classes
+        if classes is None:
+            prompt = exact_prompt(self.rng, self.args.prompt_tokens)
+            return prompt, w.max_tokens if w.ignore_eos else -1  # -1: not computed
+        roll = self.rng.random()
+        lo, hi = classes[-1][1:]
+        for share, a, b in classes:
+            roll -= share
+            if roll <= 0:
+                lo, hi = a, b
+                break
+        bucket = self.ready.get((lo, hi))
+        if bucket:
+            return bucket.pop()
+        return self.pool.take(lo, hi)  # ran out of prepared ones: make one now
+
+
+def mean_blocks(w: Workload, args: argparse.Namespace) -> float:
+    """Mean KV blocks per request at its end, over the workload's (long-phase) lengths."""
+    bs = args.block_size
+    if w.ignore_eos:
+        return float(-(-(args.prompt_tokens + w.max_tokens) // bs))
+    rng = random.Random(7)
+    classes = w.after_shift or w.classes
+    if classes is None:
+        lengths = [
+            natural_length(exact_prompt(rng, args.prompt_tokens), w.max_tokens) for _ in range(600)
+        ]
+        return sum(-(-(args.prompt_tokens + n) // bs) for n in lengths) / len(lengths)
+    pool = LengthPool(7, args.prompt_tokens, w.max_tokens)
+    total = 0.0
+    for share, lo, hi in classes:
+        lengths = [pool.take(lo, hi)[1] for _ in range(60)]
+        total += share * sum(-(-(args.prompt_tokens + n) // bs) for n in lengths) / len(lengths)
+    return total
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -170,18 +249,17 @@ async def fleet_counters(session: Any, sims: list[str]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- processes
 
 
-def start_sims(args: argparse.Namespace) -> list[Proc]:
+def start_sims(w: Workload, args: argparse.Namespace) -> list[Proc]:
     sims = []
     for i in range(args.replicas):
         port = free_port()
         argv = sim_argv(
-            port, MODEL, "--seed", str(i),
-            "--kv-blocks", str(args.kv_blocks), "--block-size", str(args.block_size),
-            "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16),
+            port, MODEL, "--seed", "0",
+            "--kv-blocks", str(w.kv_blocks), "--block-size", str(args.block_size),
+            "--max-model-len", str(args.prompt_tokens + w.max_tokens + 16),
         )  # fmt: skip
-        sims.append(
-            Proc(f"sim{i}", argv, LOGS / f"sim{i}.log", env=seawall_env(), cwd=REPO, port=port)
-        )
+        log = LOGS / f"{w.name}-sim{i}.log"
+        sims.append(Proc(f"sim{i}", argv, log, env=seawall_env(), cwd=REPO, port=port))
     for p in sims:
         wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
     return sims
@@ -199,7 +277,7 @@ def gateway_config(
     }
 
 
-def start_gateway(name: str, config: dict[str, Any], sims: list[str]) -> tuple[Proc, str]:
+def start_gateway(name: str, config: dict[str, Any]) -> tuple[Proc, str]:
     path = LOGS / f"{name}.yaml"
     path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
     argv = [sys.executable, "-m", "seawall", "serve", "--config", str(path)]
@@ -218,59 +296,51 @@ class Load:
     ttft: list[float] = field(default_factory=list)  # served attempt -> first token
     wait: list[float] = field(default_factory=list)  # first attempt -> first token
     shed_latency: list[float] = field(default_factory=list)
-    floor: list[float] = field(default_factory=list)  # GET /readyz, same client and time
-    lag: list[float] = field(default_factory=list)  # client loop: asyncio.sleep overshoot
     done: int = 0
     cut: int = 0
-    starved: int = 0  # shed at least once and never served before the load ended
+    starved: int = 0  # clients shed at least once and never served during the run
     other: dict[str, int] = field(default_factory=dict)  # errors other than 429
 
     def error(self, what: str) -> None:
         self.other[what] = self.other.get(what, 0) + 1
 
 
-def make_prompt(rng: random.Random, n: int, style: str) -> str:
-    """n tokens for the sim's tokenizer: each ' word' of its vocabulary is one token.
-
-    "exact": two-letter words only, which the gateway's estimate (no tokenizer configured:
-    ceil(bytes/3) per word, plus 1) also counts as one token each, so the gateway sees
-    n + 1, as with a real tokenizer configured. "prose": any vocabulary word; the estimate
-    then counts ~2 per word, about twice the engine's count (its conservative side).
-    """
-    from seawall.sim import textgen
-
-    pool = [w for w in textgen.WORDS if len(w) <= 2] if style == "exact" else textgen.WORDS
-    return "".join(" " + rng.choice(pool) for _ in range(n))
-
-
 async def run_clients(
-    url: str, clients: int, args: argparse.Namespace, seed: int, load: Load
+    url: str,
+    clients: int,
+    w: Workload,
+    seconds: float,
+    prompts: Prompts,
+    args: argparse.Namespace,
+    load: Load,
+    started: float,
 ) -> None:
-    """`clients` closed-loop clients for `args.seconds`; in-flight streams then get
+    """`clients` closed-loop clients for `seconds`; in-flight streams then get
     `args.grace` seconds to finish and are cut after that."""
     import aiohttp
 
-    rng = random.Random(seed)
     headers = {"Content-Type": "application/json"}
-    deadline = time.monotonic() + args.seconds
+    deadline = started + seconds
+    shift_at = started + w.shift_at * seconds
     max_attempts = 100_000  # a count bound on top of the time bound
 
-    async def one_request(session: aiohttp.ClientSession) -> None:
-        body = json.dumps(
-            {
-                "model": MODEL,
-                "prompt": make_prompt(rng, args.prompt_tokens, args.prompt_style),
-                "max_tokens": args.max_tokens,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-            }
-        ).encode()
+    async def one_request(session: aiohttp.ClientSession, served: list[bool]) -> bool:
+        prompt, _ = prompts.next(shifted=time.monotonic() >= shift_at)
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": w.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if w.ignore_eos:
+            body["ignore_eos"] = True
+        data = json.dumps(body).encode()
         first = time.perf_counter()
         shed = False
         while time.monotonic() < deadline:
             sent = time.perf_counter()
-            async with session.post(url + "/v1/completions", data=body, headers=headers) as r:
+            async with session.post(url + "/v1/completions", data=data, headers=headers) as r:
                 if r.status == 429:
                     load.shed_latency.append(time.perf_counter() - sent)
                     shed = True
@@ -279,14 +349,14 @@ async def run_clients(
                         retry_after = float(r.headers.get("Retry-After", args.backoff))
                     except ValueError:
                         retry_after = args.backoff
-                    wait = min(retry_after, args.backoff)
-                    await asyncio.sleep(wait * (1.0 - args.jitter * rng.random()))
+                    await asyncio.sleep(min(retry_after, args.backoff))
                     continue
                 if r.status != 200:
                     load.error(f"http {r.status}")
                     await r.read()
                     await asyncio.sleep(args.backoff)
-                    return
+                    return shed
+                served[0] = True
                 ttft = None
                 async for line in r.content:
                     if ttft is None and line.startswith(b"data: {") and b'"text":"' in line:
@@ -296,47 +366,63 @@ async def run_clients(
                         load.wait.append(now - first)
                     if line.startswith(b"data: [DONE]"):
                         load.done += 1
-                        return
+                        return shed
                 load.error("stream ended without [DONE]")
-                return
-        if shed:
-            load.starved += 1
+                return shed
+        return shed
 
     async def client(session: aiohttp.ClientSession) -> None:
-        for _ in range(max_attempts):
-            if time.monotonic() >= deadline:
-                return
-            try:
-                await one_request(session)
-            except (aiohttp.ClientError, ConnectionError) as e:
-                load.error(type(e).__name__)
-                await asyncio.sleep(args.backoff)
-
-    async def floor_probe(session: aiohttp.ClientSession) -> None:
-        # The cheapest answer the gateway gives, from the same client at the same time:
-        # what any answer costs on this machine, with this client and this gateway loop.
-        while time.monotonic() < deadline:
-            sent = time.perf_counter()
-            try:
-                async with session.get(url + "/readyz") as r:
-                    await r.read()
-                load.floor.append(time.perf_counter() - sent)
-            except (aiohttp.ClientError, ConnectionError) as e:
-                load.error(f"readyz {type(e).__name__}")
-            slept = time.perf_counter()
-            await asyncio.sleep(0.05)
-            load.lag.append(time.perf_counter() - slept - 0.05)
+        served = [False]
+        shed_ever = False
+        try:
+            for _ in range(max_attempts):
+                if time.monotonic() >= deadline:
+                    return
+                try:
+                    shed_ever = await one_request(session, served) or shed_ever
+                except (aiohttp.ClientError, ConnectionError) as e:
+                    load.error(type(e).__name__)
+                    await asyncio.sleep(args.backoff)
+        finally:
+            if shed_ever and not served[0]:
+                load.starved += 1
 
     connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=args.seconds + args.grace + 30)
+    timeout = aiohttp.ClientTimeout(total=seconds + args.grace + 30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = [asyncio.ensure_future(client(session)) for _ in range(clients)]
-        tasks.append(asyncio.ensure_future(floor_probe(session)))
-        _, pending = await asyncio.wait(tasks, timeout=args.seconds + args.grace)
+        _, pending = await asyncio.wait(tasks, timeout=seconds + args.grace)
         for t in pending:
             t.cancel()
-        load.cut = len([t for t in pending if t is not tasks[-1]])
+        load.cut = len(pending)
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the load started
+    preemptions: list[float]  # per replica, cumulative
+    running: list[float]
+    level: float | None  # the gateway's reserve level, max over replicas
+
+
+async def sample(
+    session: Any, sims: list[str], gateway: str, until: asyncio.Future[None], started: float
+) -> list[Sample]:
+    out: list[Sample] = []
+    while not until.done():
+        got = await asyncio.gather(*(scrape(session, u) for u in [*sims, gateway]))
+        levels = [v for _, v in got[-1].get("seawall_admission_reserve_level", [])]
+        out.append(
+            Sample(
+                time.monotonic() - started,
+                [metric_sum(m, "vllm:num_preemptions_total") for m in got[:-1]],
+                [metric_sum(m, "vllm:num_requests_running") for m in got[:-1]],
+                max(levels) if levels else None,
+            )
+        )
+        await asyncio.sleep(SAMPLE_S)
+    return out
 
 
 # ----------------------------------------------------------------------------- one run
@@ -344,35 +430,51 @@ async def run_clients(
 
 @dataclass
 class Result:
-    name: str
+    workload: str
+    mode: str
     clients: int
     preemptions: float
+    busy_s: float  # load + drain
     tokens_per_s: float
     load: Load
-    shed_by_reason: dict[str, float]
-    gw_shed_p50: float
-    gw_shed_p99: float
-    gw_shed_count: float
-    max_running: float  # most requests running in one engine, sampled every 0.25 s
-    probe_shed: list[float]  # the quiet prober's 429 latencies
-    probe_served: int
-    probe_floor: list[float]  # the prober's GET /readyz latencies
+    samples: list[Sample]
+    replicas: int
+    probe_shed: list[float] = field(default_factory=list)
 
+    @property
+    def rate_per_replica(self) -> float:
+        return self.preemptions / self.replicas / self.busy_s if self.busy_s > 0 else math.nan
 
-async def sample_running(
-    session: Any, sims: list[str], until: asyncio.Future[None], out: list[float]
-) -> None:
-    """Every 0.25 s until `until` is done: each engine's `vllm:num_requests_running`."""
-    while not until.done():
-        for m in await asyncio.gather(*(scrape(session, u) for u in sims)):
-            out.append(metric_sum(m, "vllm:num_requests_running"))
-        await asyncio.sleep(0.25)
+    def peak_rate_per_replica(self, window_s: float = 10.0) -> float:
+        best = 0.0
+        s = self.samples
+        j = 0
+        for i in range(len(s)):
+            while s[i].t - s[j].t > window_s:
+                j += 1
+            if s[i].t - s[j].t >= window_s / 2:
+                worst = max(a - b for a, b in zip(s[i].preemptions, s[j].preemptions, strict=True))
+                best = max(best, worst / (s[i].t - s[j].t))
+        return best
+
+    @property
+    def max_running(self) -> float:
+        return max((max(x.running) for x in self.samples), default=math.nan)
+
+    def level_end(self, seconds: float) -> float | None:
+        during = [x.level for x in self.samples if x.t <= seconds and x.level is not None]
+        return during[-1] if during else None
+
+    def level_peak(self) -> float | None:
+        levels = [x.level for x in self.samples if x.level is not None]
+        return max(levels) if levels else None
 
 
 async def run_one(
-    name: str,
-    clients: int,
+    w: Workload,
+    mode: str,
     admission: dict[str, Any],
+    clients: int,
     sims: list[str],
     args: argparse.Namespace,
     seed: int,
@@ -380,17 +482,30 @@ async def run_one(
 ) -> Result:
     import aiohttp
 
+    seconds = args.seconds or w.seconds
+    prompts = Prompts(w, args, seed)
+    if w.classes is not None:
+        # Enough prepared for the run: each client's worth of short requests, long ones fewer.
+        want: dict[tuple[int, int], int] = {}
+        for classes in (w.classes, w.after_shift or ()):
+            for share, lo, hi in classes:
+                per_s = 4.0 if hi <= 200 else 0.3
+                want[(lo, hi)] = want.get((lo, hi), 0) + int(clients * share * per_s * seconds)
+        prompts.prepare({k: min(v, 3000) for k, v in want.items()})
     port = free_port()
-    proc, url = start_gateway(name, gateway_config(port, sims, admission, args), sims)
+    name = f"{w.name}-{mode}"
+    proc, url = start_gateway(name, gateway_config(port, sims, admission, args))
     try:
         # /readyz needs a live replica; admission also needs a first scrape of each one.
         await asyncio.sleep(max(1.0, 3 * args.scrape_interval))
         async with aiohttp.ClientSession() as session:
             pre0, _ = await fleet_counters(session, sims)
             load = Load()
-            clients_task = asyncio.ensure_future(run_clients(url, clients, args, seed, load))
-            running: list[float] = []
-            sampler = asyncio.ensure_future(sample_running(session, sims, clients_task, running))
+            started = time.monotonic()
+            clients_task = asyncio.ensure_future(
+                run_clients(url, clients, w, seconds, prompts, args, load, started)
+            )
+            sampler = asyncio.ensure_future(sample(session, sims, url, clients_task, started))
             await asyncio.sleep(args.warmup)
             _, gen0 = await fleet_counters(session, sims)
             t0 = time.monotonic()
@@ -398,10 +513,10 @@ async def run_one(
             if probe:
                 prober = await asyncio.create_subprocess_exec(
                     sys.executable, __file__, "--probe", url,
-                    "--seconds", str(args.seconds - args.warmup - 1),
+                    "--seconds", str(seconds - args.warmup - 1),
                     stdout=asyncio.subprocess.PIPE,
                 )  # fmt: skip
-            await asyncio.sleep(args.seconds - args.warmup)
+            await asyncio.sleep(max(0.0, started + seconds - time.monotonic()))
             _, gen1 = await fleet_counters(session, sims)
             window = time.monotonic() - t0
             probed: dict[str, Any] = {}
@@ -409,33 +524,23 @@ async def run_one(
                 out, _ = await asyncio.wait_for(prober.communicate(), timeout=30)
                 probed = json.loads(out or b"{}")
             await clients_task
-            await sampler
+            busy = time.monotonic() - started
+            samples = await sampler
             pre1, _ = await fleet_counters(session, sims)
-            gw = await scrape(session, url)
     finally:
         proc.stop()
-    shed_by_reason: dict[str, float] = {}
-    for labels, v in gw.get("seawall_shed_total", []):
-        shed_by_reason[labels["reason"]] = shed_by_reason.get(labels["reason"], 0.0) + v
-    buckets = [
-        (float(labels["le"]), v) for labels, v in gw.get("seawall_shed_latency_seconds_bucket", [])
-    ]
-    # let the engines finish anything aborted or still queued before the next run
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # let the engines finish anything aborted before the next run
     return Result(
-        name=name,
+        workload=w.name,
+        mode=mode,
         clients=clients,
         preemptions=pre1 - pre0,
+        busy_s=busy,
         tokens_per_s=(gen1 - gen0) / window,
         load=load,
-        shed_by_reason=shed_by_reason,
-        gw_shed_p50=histogram_quantile(0.5, buckets),
-        gw_shed_p99=histogram_quantile(0.99, buckets),
-        gw_shed_count=metric_sum(gw, "seawall_shed_latency_seconds_count"),
-        max_running=max(running, default=math.nan),
+        samples=samples,
+        replicas=args.replicas,
         probe_shed=probed.get("shed_s", []),
-        probe_served=probed.get("served", 0),
-        probe_floor=probed.get("floor_s", []),
     )
 
 
@@ -446,215 +551,162 @@ def _ms(v: float) -> float:
     return v * 1000.0 if not math.isnan(v) else math.nan
 
 
-def ratio(value: float, reference: float | None) -> float:
-    """value / reference; NaN when the reference run did not run (or is 0)."""
-    return value / reference if reference else math.nan
-
-
-def _pct(v: float) -> str:
-    return "-" if math.isnan(v) else f"{v:.1%}"
-
-
-def verdict(ok: bool, value: float) -> str:
-    return "-" if math.isnan(value) else ("PASS" if ok else "MISS")
+def verdict(ok: bool, known: bool = True) -> str:
+    return "-" if not known else ("PASS" if ok else "MISS")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """'{"kv_usage_max": 1.0, ...}' -> ("kv_usage_max=1.0,...", the overrides)."""
+    """'{"adaptive": {"kv_high": 0.9}}' -> ("adaptive={...}", the admission overrides)."""
     try:
         value = json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: not JSON: {e}") from None
     if not isinstance(value, dict) or not value:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected a JSON object")
-    return ",".join(f"{k}={v}" for k, v in value.items()), value
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items()), value
+
+
+def shift_timing(r: Result, w: Workload, seconds: float) -> tuple[float | None, float | None]:
+    """(when the level first rose over 0.1 after the shift, when the first preemption after
+    the shift came), in seconds since the load started."""
+    at = w.shift_at * seconds
+    tightened = next(
+        (x.t for x in r.samples if x.t >= at and x.level is not None and x.level > 0.1), None
+    )
+    base = next((x for x in r.samples if x.t >= at), None)
+    first = None
+    if base is not None:
+        first = next(
+            (x.t for x in r.samples if x.t > base.t and sum(x.preemptions) > sum(base.preemptions)),
+            None,
+        )
+    return tightened, first
+
+
+def report(w: Workload, results: list[Result], seconds: float, capacity: int) -> list[list[Any]]:
+    print(f"\n== {w.name}: per run")
+    print_table(
+        [
+            "run", "clients", "preempt", "rate/replica", "peak 10s", "max run", "done", "cut",
+            "starved", "tok/s", "TTFT p50 ms", "p99", "wait p99 ms", "shed", "shed p99 ms",
+            "probe p99 ms", "level end", "peak",
+        ],
+        [
+            [
+                r.mode, r.clients, int(r.preemptions), r.rate_per_replica,
+                r.peak_rate_per_replica(), r.max_running, r.load.done, r.load.cut,
+                r.load.starved, r.tokens_per_s, _ms(percentile(r.load.ttft, 50)),
+                _ms(percentile(r.load.ttft, 99)), _ms(percentile(r.load.wait, 99)),
+                len(r.load.shed_latency), _ms(percentile(r.load.shed_latency, 99)),
+                _ms(percentile(r.probe_shed, 99)),
+                "-" if r.level_end(seconds) is None else f"{r.level_end(seconds):+.2f}",
+                "-" if r.level_peak() is None else f"{r.level_peak():+.2f}",
+            ]
+            for r in results
+        ],
+    )  # fmt: skip
+    for r in results:
+        if r.load.other:
+            print(f"  {r.mode}: errors {r.load.other}")
+    by = {r.mode: r for r in results}
+    none = by.get("none")
+    rows: list[list[Any]] = []
+    for r in results:
+        if r.mode in ("none", "capacity"):
+            continue
+        rate_ok = r.rate_per_replica < STORM_RATE_PER_REPLICA
+        goals: list[str] = [f"storm rate {r.rate_per_replica:.3f}/s {verdict(rate_ok)}"]
+        if none is not None:
+            p99, p99_none = percentile(r.load.ttft, 99), percentile(none.load.ttft, 99)
+            goals.append(f"TTFT p99 {_ms(p99):.0f} vs {_ms(p99_none):.0f} ms "
+                         f"{verdict(p99 <= p99_none, not math.isnan(p99))}")  # fmt: skip
+            ratio = r.tokens_per_s / none.tokens_per_s if none.tokens_per_s else math.nan
+            if w.ignore_eos:
+                pre = r.preemptions / none.preemptions if none.preemptions else math.nan
+                goals.append(
+                    f"preemptions {pre:.1%} of none "
+                    f"{verdict(pre <= GOAL_PREEMPT_FULL, not math.isnan(pre))}"
+                )
+            else:
+                goals.append(f"tok/s {ratio:.1%} of none {verdict(ratio >= GOAL_TOKENS_REALISTIC)}")
+        cap = by.get("capacity")
+        if w.ignore_eos and cap is not None and cap.tokens_per_s:
+            ratio = r.tokens_per_s / cap.tokens_per_s
+            goals.append(f"tok/s {ratio:.1%} of capacity {verdict(ratio >= GOAL_CAPACITY_FULL)}")
+        if w.ignore_eos and r.probe_shed:
+            p = percentile(r.probe_shed, 99)
+            goals.append(f"probe shed p99 {_ms(p):.1f} ms {verdict(p < GOAL_SHED_P99_S)}")
+        goals.append(f"starved {r.load.starved} {verdict(r.load.starved == 0)}")
+        if w.after_shift is not None:
+            tightened, first = shift_timing(r, w, seconds)
+            ok = first is None or (tightened is not None and tightened <= first)
+            goals.append(
+                f"shift at {w.shift_at * seconds:.0f}s: tightened "
+                f"{'-' if tightened is None else f'{tightened:.1f}s'}, first preemption "
+                f"{'-' if first is None else f'{first:.1f}s'} {verdict(ok)}"
+            )
+        rows.append([f"{w.name} {r.mode}", "; ".join(goals)])
+    return rows
 
 
 async def amain(args: argparse.Namespace) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
-    seq_tokens = args.prompt_tokens + args.max_tokens
-    blocks_per_seq = -(-seq_tokens // args.block_size)
-    per_replica = (args.kv_blocks - 1) // blocks_per_seq
-    if per_replica < 1:
-        print("the KV cache holds less than one request; raise --kv-blocks", file=sys.stderr)
-        return 2
-    capacity = per_replica * args.replicas
-    over = args.factor * capacity
     print(f"machine: {machine_context()}")
     print(
-        f"fleet: {args.replicas} sims x {args.kv_blocks} KV blocks of {args.block_size} tokens "
-        f"({args.kv_blocks - 1} usable); request: {args.prompt_tokens} prompt + "
-        f"{args.max_tokens} generated tokens = {blocks_per_seq} blocks at full length"
+        f"fleet: {args.replicas} sims; prompts {args.prompt_tokens} tokens; factor "
+        f"{args.factor}x; 429 back-off min(Retry-After, {args.backoff:g}s); scrape interval "
+        f"{args.scrape_interval:g}s; grace {args.grace:g}s; tokens/s after {args.warmup:g}s"
     )
-    print(
-        f"capacity (computed from blocks): floor({args.kv_blocks - 1}/{blocks_per_seq}) = "
-        f"{per_replica} per replica, {capacity} for the fleet; {args.factor}x = {over} clients"
-    )
-    print(
-        f"load: {args.seconds:g}s per run (tokens/s over the last "
-        f"{args.seconds - args.warmup:g}s), grace {args.grace:g}s, 429 back-off "
-        f"min(Retry-After, {args.backoff:g}s), scrape interval {args.scrape_interval:g}s"
-    )
-    sims = start_sims(args)
-    urls = [f"http://127.0.0.1:{p.port}" for p in sims]
-    runs: list[tuple[str, int, dict[str, Any]]] = [
-        ("0 capacity, no admission", capacity, {"enabled": False}),
-        ("1 capacity, admission", capacity, {}),
-        (f"2 {args.factor}x, no admission", over, {"enabled": False}),
-        (f"3 {args.factor}x, admission", over, {}),
-        (f"4 {args.factor}x, inflight_max={per_replica}", over, {"inflight_max": per_replica}),
-    ]
-    for i, (name, overrides) in enumerate(args.variant, start=5):
-        runs.append((f"{i} {args.factor}x, {name}", over, overrides))
-    results: list[Result] = []
-    try:
-        for i, (name, clients, admission) in enumerate(runs):
-            if args.runs is not None and i not in args.runs:
-                continue
-            started = time.monotonic()
-            slug = "run" + name.split()[0]
-            probe = clients > capacity and admission.get("enabled", True)
-            res = await run_one(slug, clients, admission, urls, args, 1000 * (i + 1), probe)
-            res.name = name
-            results.append(res)
-            reasons = ", ".join(f"{k} {v:g}" for k, v in sorted(res.shed_by_reason.items()))
-            print(
-                f"  {name}: {time.monotonic() - started:.0f}s, admission={json.dumps(admission)}"
-                + (f", gateway shed by reason: {reasons}" if reasons else "")
-                + (f", errors: {res.load.other}" if res.load.other else "")
-            )
-    finally:
-        for p in sims:
-            p.stop()
-
-    print()
-    print_table(
-        [
-            "run",
-            "clients",
-            "preempt",
-            "max run",
-            "done",
-            "cut",
-            "starved",
-            "tok/s",
-            "TTFT p50 ms",
-            "p99",
-            "wait p50 ms",
-            "p99",
-            "shed",
-            "shed p50 ms",
-            "p99",
-            "gw shed p50 ms",
-            "p99",
-            "floor p50 ms",
-            "p99",
-            "lag p99 ms",
-            "probe shed",
-            "p50 ms",
-            "p99",
-            "probe floor p99",
-        ],
-        [
-            [
-                r.name,
-                r.clients,
-                int(r.preemptions),
-                int(r.max_running) if not math.isnan(r.max_running) else "-",
-                r.load.done,
-                r.load.cut,
-                r.load.starved,
-                r.tokens_per_s,
-                _ms(percentile(r.load.ttft, 50)),
-                _ms(percentile(r.load.ttft, 99)),
-                _ms(percentile(r.load.wait, 50)),
-                _ms(percentile(r.load.wait, 99)),
-                len(r.load.shed_latency),
-                _ms(percentile(r.load.shed_latency, 50)),
-                _ms(percentile(r.load.shed_latency, 99)),
-                _ms(r.gw_shed_p50),
-                _ms(r.gw_shed_p99),
-                _ms(percentile(r.load.floor, 50)),
-                _ms(percentile(r.load.floor, 99)),
-                _ms(percentile(r.load.lag, 99)),
-                len(r.probe_shed) if r.probe_shed else "-",
-                _ms(percentile(r.probe_shed, 50)),
-                _ms(percentile(r.probe_shed, 99)),
-                _ms(percentile(r.probe_floor, 99)),
-            ]
-            for r in results
-        ],
-    )
-    print()
-    by_number = {int(r.name.split()[0]): r for r in results}
-    bare, base, unprotected = (by_number.get(n) for n in (0, 1, 2))
-    for r in (bare, base):
-        if r is not None and r.preemptions:
-            why = (
-                "more than capacity ran in one engine"
-                if r.max_running > per_replica
-                else "with no engine seen over capacity"
-            )
-            print(
-                f"note: {r.name} preempted {int(r.preemptions)} times; {why} (max run "
-                f"{r.max_running:g}, capacity {per_replica} per replica)"
-            )
-    print(
-        f"\ngoals at {args.factor}x: preemptions <= {GOAL_PREEMPT_RATIO:.0%} of run 2's (no "
-        f"admission); tokens/s >= {GOAL_TOKENS_RATIO:.0%} of run 1's (capacity, through "
-        f"admission) and of run 0's (capacity, nothing shed); shed p99 < "
-        f"{GOAL_SHED_P99_S * 1000:g} ms as seen by the load's clients, by the quiet prober, "
-        "and by the gateway's own histogram"
-    )
-    rows = []
-    for n, r in sorted(by_number.items()):
-        if n < 3:
-            continue
-        pre_ratio = ratio(r.preemptions, unprotected.preemptions if unprotected else None)
-        tok_ratio = ratio(r.tokens_per_s, base.tokens_per_s if base else None)
-        tok_ratio0 = ratio(r.tokens_per_s, bare.tokens_per_s if bare else None)
-        row: list[Any] = [
-            r.name,
-            _pct(pre_ratio),
-            verdict(pre_ratio <= GOAL_PREEMPT_RATIO, pre_ratio),
-            _pct(tok_ratio),
-            verdict(tok_ratio >= GOAL_TOKENS_RATIO, tok_ratio),
-            _pct(tok_ratio0),
-            verdict(tok_ratio0 >= GOAL_TOKENS_RATIO, tok_ratio0),
-        ]
-        for p99 in (
-            percentile(r.load.shed_latency, 99),
-            percentile(r.probe_shed, 99),
-            r.gw_shed_p99,
-        ):
-            row += [_ms(p99), verdict(p99 < GOAL_SHED_P99_S, p99)]
-        rows.append(row)
-    print_table(
-        [
-            "run",
-            "preempt ratio",
-            "goal",
-            "tok/s vs 1",
-            "goal",
-            "tok/s vs 0",
-            "goal",
-            "shed p99 clients ms",
-            "goal",
-            "probe ms",
-            "goal",
-            "gateway ms",
-            "goal",
-        ],
-        rows,
-    )
+    summary: list[list[Any]] = []
+    for name in args.workloads:
+        w = WORKLOADS[name]
+        seconds = args.seconds or w.seconds
+        blocks = mean_blocks(w, args)
+        worst = -(-(args.prompt_tokens + w.max_tokens) // args.block_size)
+        per_replica = max(1, (w.kv_blocks - 1) // worst)
+        capacity = per_replica * args.replicas
+        clients = args.clients or args.factor * capacity
+        print(
+            f"\n{w.name}: {w.kv_blocks} KV blocks of {args.block_size} tokens per sim, "
+            f"max_tokens {w.max_tokens}{', ignore_eos' if w.ignore_eos else ', EOS sampled'}; "
+            f"{worst} blocks per request at max_tokens -> capacity {per_replica} per replica "
+            f"({blocks:.1f} blocks per request on average); {clients} clients for {seconds:g}s"
+            + (f", shift to long outputs at {w.shift_at * seconds:.0f}s" if w.after_shift else "")
+        )
+        runs: list[tuple[str, dict[str, Any], int]] = []
+        if w.ignore_eos and "none" in args.modes:
+            runs.append(("capacity", MODES["none"], capacity))
+        runs += [(m, MODES[m], clients) for m in args.modes]
+        runs += [(label, {"mode": "adaptive", **ov}, clients) for label, ov in args.variant]
+        sims = start_sims(w, args)
+        urls = [f"http://127.0.0.1:{p.port}" for p in sims]
+        results: list[Result] = []
+        try:
+            for i, (mode, admission, n) in enumerate(runs):
+                t = time.monotonic()
+                probe = w.ignore_eos and mode != "none" and mode != "capacity"
+                seed = 1000 * (i + 1) + 17 * len(summary)
+                res = await run_one(w, mode, admission, n, urls, args, seed, probe)
+                results.append(res)
+                dump = LOGS / f"{w.name}-{mode}-samples.json"
+                dump.write_text(json.dumps([s.__dict__ for s in res.samples]))
+                print(
+                    f"  {mode}: {time.monotonic() - t:.0f}s, preemptions {int(res.preemptions)}, "
+                    f"tok/s {res.tokens_per_s:.0f}, starved {res.load.starved}"
+                )
+        finally:
+            for p in sims:
+                p.stop()
+        summary += report(w, results, seconds, capacity)
+    print("\n== goals (adaptive and the other protected runs against none, same workload)")
+    print_table(["run", "goals"], summary)
     print(f"\nlogs and gateway configs: {LOGS.relative_to(REPO)}/")
     return 0
 
 
 def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     """The quiet prober: one blocking client in its own process, one small request every
-    `interval` s for `seconds`, each after a GET /readyz (the floor: the cheapest answer);
-    prints {"shed_s": [429 latencies], "floor_s": [/readyz latencies], "served": n}."""
+    `interval` s for `seconds`; prints {"shed_s": [429 latencies], "served": n}."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -663,19 +715,11 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
     shed: list[float] = []
-    floor: list[float] = []
     served = 0
     deadline = time.monotonic() + seconds
     for _ in range(int(seconds / interval) + 1):
         if time.monotonic() >= deadline:
             break
-        sent = time.perf_counter()
-        try:
-            conn.request("GET", "/readyz")
-            conn.getresponse().read()
-            floor.append(time.perf_counter() - sent)
-        except (OSError, http.client.HTTPException):
-            conn.close()
         sent = time.perf_counter()
         try:
             conn.request("POST", "/v1/completions", body, headers)
@@ -692,7 +736,7 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
             served += 1
         time.sleep(interval)
     conn.close()
-    print(json.dumps({"shed_s": shed, "floor_s": floor, "served": served}))
+    print(json.dumps({"shed_s": shed, "served": served}))
     return 0
 
 
@@ -700,41 +744,39 @@ def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--probe" and sys.argv[3] == "--seconds":
         return probe_main(sys.argv[2], float(sys.argv[4]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def names(valid: dict[str, Any]) -> Any:
+        def parse(text: str) -> list[str]:
+            got = [x for x in text.split(",") if x]
+            bad = [x for x in got if x not in valid]
+            if bad or not got:
+                raise argparse.ArgumentTypeError(f"choose from {', '.join(valid)}")
+            return got
+
+        return parse
+
+    parser.add_argument("--workloads", type=names(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--modes", type=names(MODES), default=list(MODES))
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--kv-blocks", type=int, default=100)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=200)
-    parser.add_argument("--seconds", type=float, default=20.0, help="load per run")
-    parser.add_argument("--warmup", type=float, default=3.0, help="not counted in tok/s")
+    parser.add_argument("--seconds", type=float, default=0.0, help="load per run (0: per workload)")
+    parser.add_argument("--warmup", type=float, default=5.0, help="not counted in tok/s")
     parser.add_argument("--grace", type=float, default=15.0, help="drain bound per run")
     parser.add_argument("--factor", type=int, default=3, help="overload, x capacity")
+    parser.add_argument("--clients", type=int, default=0, help="override factor x capacity")
     parser.add_argument("--backoff", type=float, default=0.5, help="cap on a 429's wait")
     parser.add_argument("--scrape-interval", type=float, default=0.2)
-    parser.add_argument(
-        "--jitter",
-        type=float,
-        default=0.0,
-        help="a 429's wait is scaled by a uniform draw in [1 - jitter, 1] (0: none)",
-    )
-    parser.add_argument("--prompt-style", choices=("exact", "prose"), default="exact")
     parser.add_argument(
         "--variant",
         type=parse_variant,
         action="append",
         default=[],
         metavar="JSON",
-        help="an extra overloaded run with these admission overrides (repeatable)",
-    )
-    parser.add_argument(
-        "--runs",
-        type=lambda t: {int(x) for x in t.split(",")},
-        default=None,
-        metavar="N,N,...",
-        help="only these runs (numbers as printed; default all)",
+        help="an extra adaptive run with these admission overrides (repeatable)",
     )
     args = parser.parse_args()
-    if not 0 <= args.warmup < args.seconds:
+    if args.seconds and not 0 <= args.warmup < args.seconds:
         parser.error("--warmup must be in [0, --seconds)")
     try:
         import uvloop

@@ -22,6 +22,7 @@ from yarl import URL
 from seawall import envref
 from seawall.auth import is_key_hash
 from seawall.fleet.config import FleetMonitorConfig
+from seawall.policy.adaptive_admission import ControlConfig
 from seawall.policy.admission import AdmissionThresholds
 from seawall.policy.limits import TierLimits
 from seawall.protocol.routes import Route
@@ -304,8 +305,47 @@ class RateLimitConfig(_Strict):
     key_prefix: str = "seawall:limits:"
 
 
+_ADAPTIVE = ControlConfig()  # the defaults, documented once in policy/adaptive_admission.py
+
+
+class AdaptiveAdmissionConfig(_Strict):
+    """`admission.adaptive`: the adaptive KV controller. Every rule and default is explained
+    in policy/adaptive_admission.py (ControlConfig); the names are the same."""
+
+    kv_target: Annotated[float, Field(gt=0, le=2)] = _ADAPTIVE.kv_target
+    kv_high: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.kv_high
+    tier_step: Annotated[float, Field(ge=0, lt=1)] = _ADAPTIVE.tier_step
+    min_reserve: Annotated[float, Field(ge=-1, le=1)] = _ADAPTIVE.min_reserve
+    spread_z: Annotated[float, Field(ge=0)] = _ADAPTIVE.spread_z
+    preemption_budget_per_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_budget_per_s
+    preemption_window_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.preemption_window_s
+    tighten_step: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.tighten_step
+    tighten_interval_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.tighten_interval_s
+    loosen_per_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.loosen_per_s
+    calm_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.calm_s
+    outgrown_at: Annotated[float, Field(gt=0, le=1)] = _ADAPTIVE.outgrown_at
+    overrun_ratio: Annotated[float, Field(ge=1)] = _ADAPTIVE.overrun_ratio
+    progress_floor: Annotated[float, Field(ge=0, le=1)] = _ADAPTIVE.progress_floor
+    fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
+    lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
+    length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.05  # weight of each new completion
+    length_min_samples: Annotated[int, Field(ge=1)] = 3  # before a key's estimate is used
+
+    def control(self, metrics_max_age_s: float) -> ControlConfig:
+        fields = self.model_dump(exclude={"length_alpha", "length_min_samples"})
+        fields["fresh_s"] = min(self.fresh_s, metrics_max_age_s / 2)
+        return ControlConfig(**fields, metrics_max_age_s=metrics_max_age_s)
+
+
 class AdmissionConfig(_Strict):
     enabled: bool = True
+    # "adaptive" (default): reserve KV on learned output lengths, corrected by the engine's
+    # gauges (admission.adaptive); it equals "reserve" on traffic that runs to max_tokens
+    # and keeps the throughput "reserve" gives away when requests stop at EOS. "reserve":
+    # every request reserves prompt + max_tokens (kv_reserve_max below). Either way, an
+    # engine that exports no KV cache size falls back to the thresholds below.
+    mode: Literal["adaptive", "reserve"] = "adaptive"
+    adaptive: AdaptiveAdmissionConfig = Field(default_factory=AdaptiveAdmissionConfig)
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] = 0.9
     waiting_max: Annotated[float, Field(ge=0)] = 5
     preemption_rate_max_per_s: Annotated[float, Field(gt=0)] = 2.0
@@ -331,7 +371,7 @@ class AdmissionConfig(_Strict):
 
     @property
     def reserves_kv(self) -> bool:
-        return self.enabled and self.kv_reserve_max is not None
+        return self.enabled and (self.kv_reserve_max is not None or self.mode == "adaptive")
 
 
 class TelemetryConfig(_Strict):

@@ -50,6 +50,7 @@ CANCELLATIONS = "seawall_client_cancellations_total"
 SHED = "seawall_shed_total"
 SHED_LATENCY = "seawall_shed_latency_seconds"
 QUEUE_DEPTH = "seawall_admission_queue_depth"
+ADMISSION_RESERVE_LEVEL = "seawall_admission_reserve_level"
 RATELIMIT_BACKEND_DEGRADED = "seawall_ratelimit_backend_degraded"
 REPLICA_STATE = "seawall_replica_state"
 REPLICA_SCORE = "seawall_replica_health_score"
@@ -227,6 +228,15 @@ class Metrics:
             QUEUE_DEPTH,
             "Requests waiting for a replica to leave saturation.",
             ["model"],
+            registry=r,
+        )
+        self.admission_reserve_level = Gauge(
+            ADMISSION_RESERVE_LEVEL,
+            "Adaptive admission's reserve level per replica: 1 reserves prompt + max_tokens "
+            "(worst case), 0 the learned mean output, below 0 overcommits by its spread; "
+            "`cause` says why it is there (calm, loosening, preemptions, outgrown, progress, "
+            "near_full).",
+            ["replica", "cause"],
             registry=r,
         )
         self.ratelimit_backend_degraded = Gauge(

@@ -104,3 +104,134 @@ def test_admission_keeps_a_small_kv_fleet_from_preempting(admission: bool, artif
         else:
             assert preemptions > 0  # the unprotected fleet thrashes
             assert statuses.count(200) == 16  # vLLM still completes them, only later
+
+
+# ----------------------------------------------------------------------------- adaptive (issue 17)
+
+# 63 usable blocks of 16 tokens; requests of ~40 prompt tokens with max_tokens 300 reserve
+# 22 blocks at full length (2 fit), but stop at EOS after 8-30 tokens (4-5 blocks: 12 fit).
+EOS_SIM_ARGS = ("--kv-blocks", "64", "--max-model-len", "512", "--step-base-ms", "25")
+EOS_MAX_TOKENS = 300
+
+
+def natural_length(prompt: str, max_tokens: int) -> int:
+    """Completion tokens `seawall sim --seed 0` samples for `prompt` at temperature 0 (its
+    next token is a pure function of the context), so the test can pick short outputs."""
+    from seawall.sim import textgen
+
+    key = textgen.sampling_key(0, 0.0, None)
+    h = textgen.hash_tokens(textgen.tokenize(prompt))
+    for n in range(1, max_tokens + 1):
+        token = textgen.next_token(key, h)
+        if token == textgen.EOS_ID:
+            return n
+        h = textgen.extend_hash(h, token)
+    return max_tokens
+
+
+def short_prompts(count: int) -> list[tuple[str, int]]:
+    """Distinct prompts (no prefix-cache sharing) whose outputs stop at EOS in 8-30 tokens."""
+    import random
+
+    from seawall.sim import textgen
+
+    rng = random.Random(17)
+    words = [w for w in textgen.WORDS if len(w) <= 2]
+    out: list[tuple[str, int]] = []
+    for _ in range(100_000):
+        prompt = "".join(" " + rng.choice(words) for _ in range(40))
+        n = natural_length(prompt, EOS_MAX_TOKENS)
+        if 8 <= n <= 30:
+            out.append((prompt, n))
+            if len(out) == count:
+                return out
+    raise AssertionError("no short prompts found")
+
+
+def wave(url: str, prompts: list[tuple[str, int]], sim: Proc) -> tuple[list[int], int]:
+    """Send every prompt at once (streamed, EOS sampled); return the statuses and the most
+    requests the engine ran at once, sampled every 20 ms while the wave lasts."""
+    statuses: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    peak = [0]
+
+    def one(prompt: str) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": EOS_MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        ok = r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+        with lock:
+            statuses.append(r.status_code if ok else -1)
+
+    def sample() -> None:
+        for _ in range(6000):  # bounded: 120 s at 20 ms
+            if done.is_set():
+                return
+            peak[0] = max(peak[0], int(metric_sum(scrape(sim.url), "vllm:num_requests_running")))
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [threading.Thread(target=one, args=(p,)) for p, _ in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    done.set()
+    sampler.join(timeout=10)
+    return statuses, peak[0]
+
+
+def test_adaptive_admission_lets_short_outputs_run_without_preempting(artifacts: Path) -> None:
+    """The bug of issue 17: with outputs that stop at EOS far below max_tokens, reserving
+    prompt + max_tokens holds the engine to 2 requests at once. The default admission learns
+    the lengths from the first completions and then lets the engine run what fits."""
+    sim = start_sim(artifacts, *EOS_SIM_ARGS, name="eos")
+    gw, admin = gateway(artifacts, [sim], {})
+    prompts = short_prompts(24)
+    with running(gw, sim):
+        # A cold start: the worst case until a few completions, then trusted gradually.
+        learn, _ = wave(gw.url, prompts[:12], sim)
+        statuses, peak = wave(gw.url, prompts[12:], sim)
+        preemptions = metric_sum(scrape(sim.url), "vllm:num_preemptions_total")
+        state = httpx.get(
+            admin + "/admin/state", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()
+        metrics = scrape(gw.url)
+    assert learn == [200] * 12 and statuses == [200] * 12
+    assert preemptions == 0
+    assert peak >= 6, f"the engine ran at most {peak} at once"
+    # What it learned is the completions' real length (counted from the relayed stream).
+    learned = state["limits"]["output_lengths"]
+    key = next(k for k in learned if k.startswith(f"{MODEL}/default/default/"))
+    mean = sum(n for _, n in prompts) / len(prompts)
+    assert abs(learned[key]["expected_tokens"] - mean) < 0.35 * mean
+    assert learned[key]["samples"] == 24
+    # The controller's state is visible: admin API per replica, and one metric family.
+    control = state["replicas"][0]["admission"]
+    assert control["mode"] == "adaptive" and control["cause"] and control["why"]
+    assert 0.0 <= control["reserve_level"] <= 1.0
+    assert metric_sum(metrics, "seawall_admission_reserve_level", replica="r0") >= 0.0
+    assert any(k.startswith("seawall_admission_reserve_level{") for k in metrics)
+
+
+def test_reserve_mode_keeps_todays_worst_case_rule(artifacts: Path) -> None:
+    """`admission.mode: reserve` is still there: prompt + max_tokens, 2 at once."""
+    sim = start_sim(artifacts, *EOS_SIM_ARGS, name="eos")
+    gw, admin = gateway(artifacts, [sim], {"mode": "reserve"})
+    prompts = short_prompts(12)
+    with running(gw, sim):
+        wave(gw.url, prompts[:4], sim)
+        statuses, peak = wave(gw.url, prompts[4:], sim)
+        state = httpx.get(
+            admin + "/admin/state", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()
+    assert statuses == [200] * 8  # queued at the door (queue_timeout 90), then served
+    assert peak <= 2
+    assert state["replicas"][0]["admission"] is None

@@ -40,6 +40,7 @@ from seawall.auth import hash_key
 from seawall.config import GatewayConfig
 from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor
+from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.queue import AdmissionQueue
 from seawall.gateway.replicas import ReplicaSet
@@ -80,6 +81,7 @@ class Admin:
         tenancy: Tenancy,
         queue: AdmissionQueue,
         ops: FleetOps,
+        admission: AdmissionControl | None = None,
         draining: Callable[[], bool],
         api_url: Callable[[], str],
         hedging: bool,
@@ -92,6 +94,7 @@ class Admin:
         self.metrics = metrics
         self.tenancy = tenancy
         self.queue = queue
+        self.admission = admission  # adaptive admission's controllers, when that mode is on
         self.ops = ops
         self.draining = draining
         self.api_url = api_url
@@ -151,6 +154,8 @@ class Admin:
                 item["reserved_kv_blocks"] = r.counts.kv_blocks
                 item["saturated"] = reason is not None
                 item["saturation_reason"] = reason
+                control = self.admission
+                item["admission"] = control.describe(r.id, now) if control is not None else None
             item["draining"] = item.get("held", False)
             item["cordoned"] = any(
                 n["cordoned"] for n in described["nodes"] if n["node"] == item["node"]
@@ -167,7 +172,12 @@ class Admin:
             "retry_budget": {"level": self.budget.level(now), "ratio": cfg.retry.budget_ratio},
             "draining": self.draining(),
             "inflight": self.ledger.total,
-            "limits": {**self.tenancy.summary(), "queued": self.queue.depths()},
+            "limits": {
+                **self.tenancy.summary(),
+                "queued": self.queue.depths(),
+                "admission_mode": cfg.admission.mode if cfg.admission.enabled else None,
+                "output_lengths": self.admission.lengths_view() if self.admission else {},
+            },
             "hedging": {"enabled": self.hedging, "delay_s": cfg.hedging.delay_s},
             "migration": {"tiers": sorted(n for n, t in cfg.tiers.items() if t.migrate)},
             "timeouts": cfg.timeouts.model_dump(),

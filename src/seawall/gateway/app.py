@@ -148,6 +148,7 @@ class Gateway:
         self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
         self.fleet_admission = FleetAdmission(config.admission, self.replicas, m)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
+        self.monitor.subscribe(self.fleet_admission.on_snapshot)  # adaptive admission
         warn_if_open(config)
 
         # Tracing: None unless configured, and then the request path does no span work.
@@ -211,6 +212,7 @@ class Gateway:
                 metrics=m,
                 tenancy=self.tenancy,
                 queue=self.fleet_admission.queue,
+                admission=self.fleet_admission.control,
                 ops=self,
                 draining=lambda: self.draining,
                 api_url=lambda: f"http://{config.listen.host}:{self.port}",

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from seawall.config import DEFAULT_TIER, Timeouts
 from seawall.gateway.frontdoor import safe_request_id
 from seawall.protocol.openai import ParsedRequest, Route
 
 if TYPE_CHECKING:
-    from seawall.gateway.inflight import Ticket
+    from seawall.gateway.inflight import Hold, Ticket
     from seawall.gateway.telemetry import RequestSpan, TraceContext
     from seawall.gateway.upstream import Opened
     from seawall.state.limits import Lease
+
+
+class AdmissionHandle(Protocol):
+    """Adaptive admission's per-request handle: told which replica an attempt claimed."""
+
+    def bind(self, replica_id: str, hold: Hold) -> None: ...
 
 
 @dataclass(slots=True)
@@ -40,6 +46,7 @@ class StreamState:
     stream_id: str | None = None  # the first upstream's id and created
     created: int | None = None
     opened: Opened | None = None  # the upstream being relayed now
+    events: int = 0  # SSE events relayed after the head (a completion-length count)
 
     @property
     def completion_tokens(self) -> int:
@@ -71,6 +78,7 @@ class RequestCtx:
     usage: dict[str, Any] | None = None  # the engine's usage, when read
     prompt_tokens: int = 0  # counted at the door (0 when no limit needed the count)
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
+    admission: AdmissionHandle | None = None  # adaptive admission's (admission_control.py)
     stream: StreamState = field(default_factory=StreamState)
     policy: object = None  # the tenancy policy it authenticated under (tenancy.Policy)
     trace: TraceContext | None = None  # the client's W3C trace context, forwarded upstream

@@ -158,6 +158,8 @@ class Dispatcher:
         )
         trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
         hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
+        if ctx.admission is not None:
+            ctx.admission.bind(replica.id, hold)
         try:
             opened = await self.upstream.open(
                 replica,

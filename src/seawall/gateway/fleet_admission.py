@@ -17,16 +17,19 @@ anything the ledger counts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 
 from seawall import clock
 from seawall.config import AdmissionConfig
 from seawall.errors import rate_limited
-from seawall.fleet.view import EngineLoad, ReplicaView
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
+from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.metrics import Metrics
+from seawall.policy.adaptive_admission import OutputLengths
 from seawall.policy.admission import (
     Queue,
     kv_reservation_full,
@@ -48,6 +51,21 @@ class FleetAdmission:
         )
         self._completions: deque[float] = deque(maxlen=512)
         self._trends: dict[str, _Trend] = {}  # per replica, updated once per new scrape
+        # Adaptive admission (issue 17; gateway/admission_control.py): it judges KV and
+        # preemptions itself; the queue, in-flight and staleness thresholds apply before it.
+        a = config.adaptive
+        self.control = (
+            AdmissionControl(
+                a.control(config.metrics_max_age_s),
+                metrics,
+                OutputLengths(a.length_alpha, a.length_min_samples),
+            )
+            if config.enabled and config.mode == "adaptive"
+            else None
+        )
+        self.thresholds_adaptive = dataclasses.replace(
+            self.thresholds, kv_usage_max=1.0, preemption_rate_max_per_s=math.inf
+        )
         if config.enabled:
             replicas.saturation = self.saturation
 
@@ -58,6 +76,9 @@ class FleetAdmission:
         if not self.config.enabled:
             return
         model = ctx.model
+        if self.control is not None and ctx.reserve_tokens and ctx.req is not None:
+            top = ctx.req.requested_max_tokens() or 0
+            self.control.attach(ctx, ctx.prompt_tokens, top, ctx.reserve_tokens, ctx.priority)
         need = ctx.reserve_tokens
         queue = self.queue
         now = clock.monotonic()
@@ -85,10 +106,14 @@ class FleetAdmission:
             decision = Queue(expected_wait_s=0.0)
         if not isinstance(decision, Queue):
             self.shed(ctx, "fleet_saturated")
+            retry_after = decision.retry_after_s
+            if self.control is not None:  # the replicas' own drain, when it can tell
+                ids = [r.id for r in saturated]
+                retry_after = self.control.retry_after_s(ids, need, now) or retry_after
             raise rate_limited(
                 f"Every replica serving `{model}` is saturated; "
                 + (decision.reason or "retry after the indicated time."),
-                decision.retry_after_s,
+                retry_after,
                 code="fleet_saturated",
             )
         deadline = now + min(cfg.queue_timeout_s, ctx.deadline - now)
@@ -128,6 +153,18 @@ class FleetAdmission:
         """A request ended (the completion rate sets Retry-After and the queue's wait)."""
         if ctx.status == 200:
             self._completions.append(clock.monotonic())
+        if self.control is not None:
+            self.control.finish(ctx, clock.monotonic())
+
+    def on_snapshot(self, snap: FleetSnapshot) -> None:
+        """Every fleet snapshot (the monitor's listener): the adaptive controllers follow
+        each new scrape even when no request arrives to ask."""
+        if self.control is None:
+            return
+        now = clock.monotonic()
+        for rid, view in snap.replicas.items():
+            if view.load is not None and view.load.kv_capacity_tokens:
+                self.control.observe(rid, self._trend(rid, view.load), now)
 
     def completions_per_s(self, now: float, window_s: float = 10.0) -> float:
         recent = sum(1 for t in self._completions if now - t <= window_s)
@@ -144,6 +181,12 @@ class FleetAdmission:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         load = self._trend(replica.id, load)
+        if self.control is not None and load.kv_capacity_tokens:
+            counts = replica.counts
+            reason = replica_saturated(load, counts.requests, None, now, self.thresholds_adaptive)
+            return reason or self.control.saturation(
+                replica.id, load, now, need_tokens, counts.requests
+            )
         trend = self._trends.get(replica.id)
         rate = trend.preemption_rate_per_s if trend is not None else None
         reserving = self.config.kv_reserve_max is not None and bool(load.kv_capacity_tokens)

@@ -88,7 +88,7 @@ class Relay:
         try:
             self.dispatcher.first_token(ctx, opened)
             body = opened.body or b""
-            if ctx.reconcile:
+            if ctx.reconcile or ctx.admission is not None:  # adaptive admission learns it
                 try:
                     # In OpenAI's words whatever the route's vocabulary (input_tokens...).
                     ctx.usage = body_usage(orjson.loads(body))
@@ -500,6 +500,7 @@ class _Feed:
         replica = self.replica
         replica.observe_itl(gap)
         replica.chunks_relayed += 1
+        self.ctx.stream.events += data.count(b"data:")
         end: StreamEnd | None = None
         if self._filter:
             out, end = self._relay._filter(self.ctx, self._sse.feed(data))

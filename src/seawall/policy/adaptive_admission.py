@@ -1,0 +1,722 @@
+"""Adaptive KV admission: admit on what requests will probably use, corrected by the engine.
+
+Owns, per replica, the decision "may this request go to this replica now, and if not why
+and for how long", and the output-length estimates it rests on. Must not read the clock,
+do I/O, or hold per-request state: the caller passes `now`, each new scrape, and the
+sums of what is reserved (`Reservations`), so that those sums can later come from a
+store shared by several gateways instead of this process alone.
+
+Why. Reserving every request's prompt + `max_tokens` (`admission.kv_reservation_full`)
+is exact when requests run to `max_tokens` and wasteful when they stop at EOS far
+earlier, as real traffic does: it gave away 61% of the fleet's throughput to avoid 5
+cheap preemptions. A few preemptions are normal; a storm (preempt, recompute, preempt
+again) is what burns capacity. So this controller reserves on learned lengths, lets the
+engine's own gauges say when that bet is going wrong, and tightens toward the worst case
+only then.
+
+What it takes from proven systems (read in their sources):
+- vLLM 0.33's scheduler (`v1/core/sched/scheduler.py`, `kv_cache_manager.py`): a waiting
+  request is admitted when its *current* sequence fits in free blocks, with no thought for
+  its growth; when a running request needs a block and none is free, the newest running
+  request is preempted and recomputed later, repeatedly. Its `watermark` (a share of
+  blocks kept free when admitting, default 0) is the engine's own guard against that. The
+  reservation here is a predictive watermark: the room requests in flight are expected to
+  grow into. vLLM frees nothing until a request finishes, so the only safe moment to
+  refuse is before admission.
+- llm-d's saturation detector: a replica has no capacity when its waiting queue is over
+  a threshold (5) or its KV usage over one (0.8), and metrics older than a staleness bound
+  (200 ms, four refresh intervals) count as no capacity: fail closed. Its newer
+  concurrency detector combines logical in-flight tokens with the measured KV by taking
+  the larger, and falls back to the logical count when telemetry is stale. Taken: the
+  queue threshold stays (`waiting_max`, before this module); measured KV and reservations
+  are combined by the larger; metrics older than `metrics_max_age_s` hold the replica
+  ("metrics stale", fail closed as llm-d), and between `fresh_s` and that bound the
+  reservation drifts toward the worst case as the data ages (the logical count needs no
+  telemetry to be safe for this gateway's own requests).
+- Dynamo's `active_decode_blocks_threshold` (recipes use 0.85): a worker is busy when its
+  active KV blocks, including the output blocks the router tracks as they grow, pass a
+  share of its blocks; new requests get 529 only when every worker is busy. Taken:
+  `kv_high` on the measured usage, extrapolated by its trend to the time the scrape is
+  stale for, as the last line before the engine must preempt; refusal only when every
+  replica refuses (the caller's fleet step).
+- Envoy's adaptive-concurrency gradient and Netflix's concurrency-limits (Gradient2,
+  Vegas, AIMD): a limit is found by feedback, not configured. Gradient2 cuts the limit by
+  the ratio of long- to short-term latency (clamped to [0.5, 1]), smooths the change, and
+  does not grow a limit that demand is not pressing against ("app limited"); Vegas
+  estimates the queue as limit x (1 - minRTT/RTT); Envoy has to probe its minRTT by
+  pinning concurrency low, which costs throughput each time. An engine exports the queue
+  (`waiting`) and the resource (KV usage, preemptions) directly, so latency inference and
+  minRTT probing are not needed. Taken: the feedback shape: tighten multiplicatively and
+  at once on loss (preemptions over a budget, measured usage past what was reserved),
+  loosen additively and only while the limit is what refuses work; and partitioned shares
+  (a lower tier yields before a higher one, as Netflix's partitions, but never to zero).
+
+The model. A request reserves prompt + an expected output length, learned per
+model/tier/tenant and max_tokens class (`OutputLengths`: decayed mean and spread of
+observed completion tokens; worst case until a key has `min_samples`). One number per
+replica, the reserve level r in [min_reserve, 1], moves its reservations between bets:
+
+    r = 1     prompt + max_tokens             worst case: never preempts (today's rule)
+    r = 0     prompt + expected               the learned mean
+    r < 0     prompt + expected - |r| spread  overcommit, only as far as lengths vary
+                                              (off by default: min_reserve = 0)
+
+Why the mean and not a high quantile: the cache is shared by N requests, and what must
+fit is their sum, whose spread grows as sqrt(N) while a per-request p90 over-reserves by
+N x (p90 - mean) (for EOS-sampled lengths a p90 reservation held 3 of the 7 requests the
+cache takes on average). So each request reserves its mean, and the replica adds
+`spread_z` standard deviations of the sum (sqrt of the summed variances) on top: with
+the cache packed to the sum of means alone, it overflows about half the time. Heavy tails
+(a few long generations among short chats) make the mean too low for the requests
+actually in flight (long ones stay longer); the feedback below catches that from the
+engine. With lengths that never vary (`ignore_eos`, or every
+request hitting `max_tokens`) expected = max_tokens and spread = 0: the reservation is
+exactly the worst case at every r, so a full-length workload is never overcommitted.
+
+Feedback, on each new scrape:
+- preemptions: their rate (decayed over `preemption_window_s`) over
+  `preemption_budget_per_s` moves r `tighten_step` of the way to 1, at most once per
+  `tighten_interval_s` (the preemptions right after a step were caused before it); past
+  half the budget they stop loosening for `calm_s` (under it they are the normal few).
+- outgrown: with the cache (extrapolated `lookahead_s` by its trend) at `outgrown_at` or
+  more, KV measured in use over `overrun_ratio` x what is reserved at r means the
+  estimates are wrong (a shift to longer outputs, a heavy tail, another gateway's
+  requests), not the ordinary spread of lengths: r jumps at once to where the reservations
+  cover what is measured. Below `outgrown_at` a request that outgrew its estimate costs
+  nothing: there is room.
+- progress: generated tokens per running request per second under `progress_floor` of
+  its recent best while the cache is near full: steps spent recomputing or stalled. It
+  stops loosening (as pressure) but does not tighten by itself: step times also vary with
+  prefills and with the host, and a recompute storm shows in the preemption counter.
+- near full: measured KV (extrapolated) over `kv_high` with requests waiting stops
+  loosening (the admission check itself refuses, see below).
+- calm: none of these for `calm_s`, and a request was refused for reservations in the
+  last `calm_s` (the limit is binding, not app-limited): r falls by `loosen_per_s`.
+
+Admission, per request (`decide`):
+1. metrics older than `metrics_max_age_s`: hold, "metrics stale".
+2. reservations at r (aged toward 1 past `fresh_s`), this request included, over
+   `kv_target` x the cache's blocks (times a `quota`: 1 alone; a share when a fleet leader
+   splits the replica between gateways): hold, "reserved".
+3. measured KV, extrapolated by its trend over the scrape's age + `lookahead_s`, at or
+   over `kv_high` while this gateway has requests on the replica: hold, "near full". This
+   is the long-tail guard: a request that outgrew its estimate costs nothing until the
+   cache is near full, and then nothing new is added before the engine must preempt.
+4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
+   engine queues what does not fit; this gateway cannot make that worse).
+Tiers: a request of priority p (0 most important) yields `tier_step` x (p - top) of the
+limit and of `kv_high` to the most important tier `top` with requests in flight on the
+replica, so lower tiers are refused first as the cache fills; a tier with nothing in
+flight on the replica is judged as the top tier, so no tier is starved to zero.
+
+Retry-After (whole seconds, [min_retry_after_s, max_retry_after_s]): the requests that
+must finish for this one to fit (the blocks over the limit / the mean blocks per request
+in flight), divided by the replica's decayed completion rate; None when nothing has
+completed yet (the caller falls back to the fleet's drain estimate).
+
+Across gateways (issue 15). An engine's gauges see every gateway's requests; one
+gateway's reservations see only its own. Everything here that reads the engine (outgrown,
+near full, preemptions) is already fleet-wide, and its errors with several gateways are
+toward caution (others' usage reads as our requests outgrowing their estimates). What
+a single gateway cannot know is the others' reservations: `decide` takes them as a value,
+so a shared count (the same five sums per replica, kept in Redis) or a leader-issued
+`quota` (this gateway's share of the replica) plugs in without changing this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from seawall.policy.load import EngineLoad
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    kv_target: float = 1.0  # reservations may fill this share of the cache's blocks
+    kv_high: float = 0.95  # measured usage at which the top tier stops being admitted
+    tier_step: float = 0.05  # each lower tier in flight yields this share
+    min_reserve: float = 0.0  # the loosest level; below 0 overcommits by the spread
+    spread_z: float = 0.5  # standard deviations of the sum of lengths reserved on top
+    # Half the storm alert's rate(vllm:num_preemptions_total[5m]) > 0.5.
+    preemption_budget_per_s: float = 0.25
+    preemption_window_s: float = 15.0
+    tighten_step: float = 0.25  # share of the way to the worst case per step
+    tighten_interval_s: float = 2.0  # at most one step per this long (its effect shows)
+    loosen_per_s: float = 0.1  # from worst case to the mean in 10 s
+    calm_s: float = 2.0  # no loosening this soon after pressure
+    outgrown_at: float = 0.85  # measured usage from which outgrown estimates count
+    overrun_ratio: float = 2.0  # usage over this x the reservations: estimates are wrong
+    progress_floor: float = 0.5
+    fresh_s: float = 2.0
+    metrics_max_age_s: float = 5.0
+    lookahead_s: float = 0.5
+    trend_tau_s: float = 1.0
+    completion_window_s: float = 10.0
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_target <= 2 or not 0 < self.kv_high <= 1:
+            raise ValueError("kv_target must be in (0, 2] and kv_high in (0, 1]")
+        if not -1 <= self.min_reserve <= 1:
+            raise ValueError("min_reserve must be in [-1, 1]")
+        if self.fresh_s >= self.metrics_max_age_s:
+            raise ValueError("fresh_s must be below metrics_max_age_s")
+
+
+# ----------------------------------------------------------------------------- lengths
+
+
+@dataclass(frozen=True, slots=True)
+class LengthEstimate:
+    expected_tokens: float
+    spread_tokens: float  # standard deviation
+    samples: int  # completions seen (the estimate weighs the recent ones most)
+
+
+@dataclass(slots=True)
+class _Moments:
+    mean: float = 0.0
+    var: float = 0.0
+    count: int = 0
+
+
+Key = tuple[str, str, str]  # (model, tier, tenant)
+
+
+def length_class(max_tokens: int) -> str:
+    """Requests are learned apart by the power of two their `max_tokens` rounds up to: a
+    1-token probe and a 1,000-token generation from the same tenant are different
+    populations, and one mean over both would describe neither."""
+    return f"<={1 << max(0, max_tokens - 1).bit_length()}"
+
+
+class OutputLengths:
+    """Decayed mean and spread of completion tokens, per (model, tier, tenant) and
+    `length_class(max_tokens)`, with (model, tier) and (model) of the same class as
+    fallbacks while a key has too few samples (never another class: its lengths say nothing
+    about this one's).
+
+    Decay is per observation (`alpha`, about the last 2/alpha completions), not per
+    second: a quiet tenant's estimate does not fade to nothing, and a busy one adapts as
+    fast as its completions arrive. Keys are bounded (`max_keys`, least recently seen
+    dropped); tenants come from the configuration, so the bound is rarely reached."""
+
+    def __init__(
+        self,
+        alpha: float = 0.05,
+        min_samples: int = 3,
+        max_keys: int = 4096,
+        prior_samples: float = 2.0,
+    ):
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.min_samples = min_samples
+        self.prior_samples = prior_samples
+        self.max_keys = max_keys
+        self._stats: OrderedDict[tuple[str, ...], _Moments] = OrderedDict()
+
+    @staticmethod
+    def _chain(key: Key, max_tokens: int) -> tuple[tuple[str, ...], ...]:
+        model, tier, tenant = key
+        c = length_class(max_tokens)
+        return ((model, tier, tenant, c), (model, tier, c), (model, c))
+
+    def observe(self, key: Key, max_tokens: int, completion_tokens: int) -> None:
+        x = float(max(completion_tokens, 0))
+        for k in self._chain(key, max_tokens):
+            m = self._stats.get(k)
+            if m is None:
+                m = self._stats[k] = _Moments()
+                if len(self._stats) > self.max_keys:
+                    self._stats.popitem(last=False)
+            else:
+                self._stats.move_to_end(k)
+            m.count += 1
+            # Exponentially weighted mean and variance (West's incremental form); the
+            # first samples weigh as a plain average until 1/alpha samples are in.
+            a = max(self.alpha, 1.0 / m.count)
+            d = x - m.mean
+            m.mean += a * d
+            m.var = (1 - a) * (m.var + a * d * d)
+
+    def known(self) -> dict[str, LengthEstimate]:
+        """Every key's estimate, named "model/tier/tenant/class" (coarser keys shorter)."""
+        return {
+            "/".join(k): LengthEstimate(m.mean, math.sqrt(m.var), m.count)
+            for k, m in self._stats.items()
+        }
+
+    def estimate(self, key: Key, max_tokens: int) -> LengthEstimate | None:
+        """The expected length of a request of this key with this `max_tokens`. The first
+        completions of a key are its shortest ones (the long ones are still running), so
+        the mean is shrunk toward `max_tokens` as if `prior_samples` requests had run to
+        it: halfway after as many real ones, 5% after twenty times as many."""
+        for k in self._chain(key, max_tokens):
+            m = self._stats.get(k)
+            if m is not None and m.count >= self.min_samples:
+                w = self.prior_samples / (m.count + self.prior_samples)
+                mean = m.mean + max(0.0, max_tokens - m.mean) * w
+                return LengthEstimate(mean, math.sqrt(m.var), m.count)
+        return None
+
+
+# ----------------------------------------------------------------------------- demand
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request may use: tokens, before the replica's block size is known."""
+
+    prompt_tokens: int
+    max_tokens: int  # the output ceiling (already clamped to the model's context)
+    expected_tokens: float  # learned mean output, <= max_tokens
+    spread_tokens: float  # learned spread, <= expected_tokens
+    priority: int = 0
+
+    @staticmethod
+    def of(
+        prompt_tokens: int, max_tokens: int, estimate: LengthEstimate | None, priority: int = 0
+    ) -> Demand:
+        """No estimate yet (a cold start, a new tenant): the worst case, spread 0."""
+        top = max(max_tokens, 0)
+        if estimate is None:
+            return Demand(prompt_tokens, top, float(top), 0.0, priority)
+        expected = min(float(top), max(estimate.expected_tokens, 0.0))
+        return Demand(prompt_tokens, top, expected, min(expected, estimate.spread_tokens), priority)
+
+    def variance(self, block_size: int) -> int:
+        """The spread squared, in blocks squared (hundredths: integer sums stay exact)."""
+        return round((self.spread_tokens / max(block_size, 1)) ** 2 * 100)
+
+    def blocks(self, block_size: int) -> tuple[int, int, int]:
+        """Whole blocks (as the engine allocates) at the reserve levels 1, 0 and -1."""
+        b = max(block_size, 1)
+
+        def whole(tokens: float) -> int:
+            return max(0, math.ceil(tokens / b - 1e-9))
+
+        p = self.prompt_tokens
+        return (
+            whole(p + self.max_tokens),
+            whole(p + self.expected_tokens),
+            whole(p + self.expected_tokens - self.spread_tokens),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reservations:
+    """The sums for one replica: everything `decide` needs, and nothing per request, so a
+    shared store can hold them (five integer counters and a small per-priority count)."""
+
+    requests: int = 0
+    worst_blocks: int = 0  # at reserve level 1
+    expected_blocks: int = 0  # at 0
+    low_blocks: int = 0  # at -1
+    by_priority: tuple[int, ...] = ()  # requests in flight per priority 0, 1, ...
+    variance: int = 0  # sum of the spreads squared, hundredths of blocks squared
+
+    def add(self, d: Demand, block_size: int, sign: int = 1) -> Reservations:
+        worst, expected, low = d.blocks(block_size)
+        counts = list(self.by_priority)
+        p = max(d.priority, 0)
+        if len(counts) <= p:
+            counts.extend([0] * (p + 1 - len(counts)))
+        counts[p] = max(0, counts[p] + sign)
+        while counts and counts[-1] == 0:
+            counts.pop()
+        return Reservations(
+            max(0, self.requests + sign),
+            max(0, self.worst_blocks + sign * worst),
+            max(0, self.expected_blocks + sign * expected),
+            max(0, self.low_blocks + sign * low),
+            tuple(counts),
+            max(0, self.variance + sign * d.variance(block_size)),
+        )
+
+    def remove(self, d: Demand, block_size: int) -> Reservations:
+        return self.add(d, block_size, sign=-1)
+
+    def blocks_at(self, reserve: float) -> float:
+        """Blocks reserved at a reserve level: linear between the exact endpoints."""
+        return _at(reserve, self.worst_blocks, self.expected_blocks, self.low_blocks)
+
+    def total_at(self, reserve: float, spread_z: float) -> float:
+        """`blocks_at` plus `spread_z` standard deviations of the sum of the lengths in
+        flight (sqrt of the summed variances), fading to none at the worst case, where
+        nothing is left to chance."""
+        return self.blocks_at(reserve) + _margin(reserve, spread_z, self.variance)
+
+    def top_priority(self) -> int | None:
+        return next((p for p, n in enumerate(self.by_priority) if n > 0), None)
+
+    def count(self, priority: int) -> int:
+        return self.by_priority[priority] if 0 <= priority < len(self.by_priority) else 0
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+class Cause(StrEnum):
+    """Why the reserve level is where it is (a small set: it is a metric label)."""
+
+    calm = "calm"
+    loosening = "loosening"
+    preemptions = "preemptions"
+    outgrown = "outgrown"
+    progress = "progress"
+    near_full = "near_full"
+
+
+class HoldKind(StrEnum):
+    stale = "stale"
+    reserved = "reserved"
+    near_full = "near_full"
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    reserved_blocks: float  # this request included, at the reserve level used
+    limit_blocks: float
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    kind: HoldKind
+    reason: str
+    retry_after_s: float | None  # None: no completions seen yet to estimate from
+
+
+@dataclass(frozen=True, slots=True)
+class ControlState:
+    """What the admin API, the status page and the metric show for one replica."""
+
+    reserve_level: float  # the level decisions use now (aged toward 1 if metrics are old)
+    learned_level: float  # the level the feedback has reached
+    cause: Cause
+    why: str
+    limit_blocks: float | None
+    reserved_blocks: float
+    capacity_blocks: float | None
+    kv_usage: float | None
+    preemption_rate_per_s: float
+    completions_per_s: float
+    metrics_age_s: float | None
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+@dataclass(slots=True)
+class _Scrape:
+    at: float
+    kv_usage: float | None
+    preemptions_total: float | None
+    generation_total: float | None
+    running: float | None
+
+
+@dataclass(slots=True)
+class ReplicaAdmission:
+    """The controller for one replica. Mutable, single-owner (the gateway's event loop);
+    every method takes `now` and reads nothing else from the world."""
+
+    config: ControlConfig = field(default_factory=ControlConfig)
+    level: float = 0.0
+    cause: Cause = Cause.calm
+    why: str = "no pressure seen"
+    _last: _Scrape | None = None
+    _preempt_rate: float = 0.0  # decayed events / window
+    _kv_slope: float = 0.0  # usage per second, smoothed
+    _best_progress: float = 0.0  # tokens per running request per second, decayed max
+    _pressure_at: float = -math.inf
+    _tightened_at: float = -math.inf
+    _refused_at: float = -math.inf
+    _completion_rate: float = 0.0
+    _completion_at: float | None = None
+
+    # -- feedback --------------------------------------------------------------------
+
+    def observe(self, load: EngineLoad, reserved: Reservations, now: float) -> None:
+        """Feed a scrape (call once per new `scraped_at`; older or equal ones are ignored).
+
+        `reserved` is what is in flight on the replica as this gateway (or, later, the
+        fleet's shared count) knows it."""
+        cfg = self.config
+        cur = _Scrape(
+            load.scraped_at,
+            load.kv_usage,
+            load.preemptions_total,
+            load.generation_tokens_total,
+            load.running,
+        )
+        prev = self._last
+        if prev is not None and cur.at <= prev.at:
+            return
+        self._last = cur
+        if prev is None:
+            return
+        dt = cur.at - prev.at
+        decay = math.exp(-dt / cfg.preemption_window_s)
+        preempted = 0.0
+        if cur.preemptions_total is not None and prev.preemptions_total is not None:
+            preempted = max(0.0, cur.preemptions_total - prev.preemptions_total)  # reset: 0
+        self._preempt_rate = self._preempt_rate * decay + preempted / cfg.preemption_window_s
+        if cur.kv_usage is not None and prev.kv_usage is not None:
+            a = 1.0 - math.exp(-dt / cfg.trend_tau_s)
+            self._kv_slope += a * ((cur.kv_usage - prev.kv_usage) / dt - self._kv_slope)
+        progress = None
+        if (
+            cur.generation_total is not None
+            and prev.generation_total is not None
+            and cur.running
+            and cur.generation_total >= prev.generation_total
+        ):
+            progress = (cur.generation_total - prev.generation_total) / dt / cur.running
+            # A decayed maximum: the best recent progress, forgetting over a minute.
+            self._best_progress = max(progress, self._best_progress * math.exp(-dt / 60.0))
+
+        capacity = _capacity_blocks(load)
+        kv = cur.kv_usage
+        near_full = kv is not None and kv >= cfg.kv_high
+        if preempted > 0 and self._preempt_rate > cfg.preemption_budget_per_s / 2:
+            # Past half the budget, preemptions stop loosening; under it they are the normal
+            # few, and holding the level for each one would only ratchet it up.
+            self._pressure_at = now
+        if preempted > 0 and self._preempt_rate > cfg.preemption_budget_per_s:
+            self._toward_worst(now)
+            self._set(
+                Cause.preemptions,
+                f"{self._preempt_rate:.2f} preemptions/s, over the budget of "
+                f"{cfg.preemption_budget_per_s:g}/s",
+            )
+            return
+        if (
+            progress is not None
+            and near_full
+            and self._best_progress > 0
+            and progress < cfg.progress_floor * self._best_progress
+        ):
+            # Not a step toward the worst case by itself: step times vary with prefills and
+            # with the host, and a real recompute storm shows in the preemption counter.
+            self._pressure_at = now
+            self._set(
+                Cause.progress,
+                f"{progress:.1f} tokens/s per running request, under "
+                f"{cfg.progress_floor:.0%} of the recent {self._best_progress:.1f} "
+                "with the cache near full",
+            )
+            return
+        if kv is not None and capacity and reserved.requests:
+            # Outgrowing an estimate costs nothing while the cache has room; it matters once
+            # the cache (a little ahead, by its trend) is filling.
+            heading = kv + max(self._kv_slope, 0.0) * cfg.lookahead_s
+            used = heading * capacity
+            # An overcommit (r < 0) is a bet whose cost the preemption budget judges; what is
+            # "outgrown" is usage past the learned estimates themselves.
+            covered = reserved.total_at(max(self.level, 0.0), cfg.spread_z)
+            if heading >= cfg.outgrown_at and used > covered * cfg.overrun_ratio:
+                self.level = max(self.level, _level_covering(reserved, used))
+                self._pressure_at = now
+                self._set(
+                    Cause.outgrown,
+                    f"{used:.0f} KV blocks in use (and rising) with the cache at {kv:.0%}, "
+                    f"over the {covered:.0f} reserved for the requests in flight",
+                )
+                return
+        if near_full and (load.waiting or 0) > 0:
+            self._pressure_at = now
+            self._set(Cause.near_full, f"kv cache {kv:.0%} used with {load.waiting:g} waiting")
+            return
+        calm_for = now - self._pressure_at
+        if calm_for < cfg.calm_s:
+            return  # keep the level and the last cause until it has been calm a while
+        # Loosen only while the limit refuses work (not app-limited) and there is room to
+        # loosen into: with no estimates yet (a cold start) every level reserves the worst
+        # case, and a level lowered then would overcommit the moment estimates arrive.
+        room = (
+            reserved.worst_blocks > reserved.expected_blocks
+            if self.level > 0
+            else (reserved.expected_blocks > reserved.low_blocks)
+        )
+        if now - self._refused_at <= cfg.calm_s and self.level > cfg.min_reserve and room:
+            self.level = max(cfg.min_reserve, self.level - cfg.loosen_per_s * dt)
+            since = "" if math.isinf(calm_for) else f" for {calm_for:.0f}s"
+            self._set(Cause.loosening, f"calm{since}, and the limit is refusing work: loosening")
+        elif self.cause is not Cause.calm:
+            self._set(Cause.calm, "calm; the limit is not refusing work")
+
+    def _toward_worst(self, now: float) -> None:
+        # One multiplicative step per interval, as TCP cuts its window once per round trip:
+        # the preemptions seen right after a step were caused before it.
+        if now - self._tightened_at < self.config.tighten_interval_s:
+            return
+        self._tightened_at = now
+        self.level = max(0.0, self.level) + (1.0 - max(0.0, self.level)) * self.config.tighten_step
+
+    def _set(self, cause: Cause, why: str) -> None:
+        self.cause, self.why = cause, why
+
+    def completed(self, now: float) -> None:
+        """A request on this replica finished (any outcome): the drain rate Retry-After uses."""
+        window = self.config.completion_window_s
+        if self._completion_at is not None:
+            self._completion_rate *= math.exp(-max(now - self._completion_at, 0.0) / window)
+        self._completion_rate += 1.0 / window
+        self._completion_at = now
+
+    def completions_per_s(self, now: float) -> float:
+        if self._completion_at is None:
+            return 0.0
+        window = self.config.completion_window_s
+        return self._completion_rate * math.exp(-max(now - self._completion_at, 0.0) / window)
+
+    def preemption_rate_per_s(self) -> float:
+        return self._preempt_rate
+
+    # -- decision --------------------------------------------------------------------
+
+    def effective_level(self, load: EngineLoad, now: float) -> float:
+        """The learned level, aged toward the worst case as the metrics grow old."""
+        cfg = self.config
+        age = now - load.scraped_at
+        if age <= cfg.fresh_s:
+            return self.level
+        aged = min(1.0, (age - cfg.fresh_s) / (cfg.metrics_max_age_s - cfg.fresh_s))
+        return max(self.level, aged)
+
+    def decide(
+        self,
+        demand: Demand,
+        reserved: Reservations,
+        load: EngineLoad,
+        now: float,
+        quota: float = 1.0,
+    ) -> Admit | Hold:
+        """May `demand` go to this replica now? `reserved` excludes it."""
+        cfg = self.config
+        age = now - load.scraped_at
+        if age > cfg.metrics_max_age_s:
+            return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now))
+        capacity = _capacity_blocks(load)
+        level = self.effective_level(load, now)
+        # The request's own blocks added to the sums (no new Reservations: this runs for
+        # every candidate replica of every request).
+        block = load.kv_block_size or 16
+        worst, expected, low = demand.blocks(block)
+        wanted = (
+            reserved.blocks_at(level)
+            + _at(level, worst, expected, low)
+            + _margin(level, cfg.spread_z, reserved.variance + demand.variance(block))
+        )
+        if capacity is None:
+            return Admit(wanted, math.inf)
+        top = reserved.top_priority()
+        p = max(demand.priority, 0)
+        # A tier with nothing in flight here is judged as the top one: never starved.
+        yields = 0 if top is None or reserved.count(p) == 0 else max(0, p - top)
+        share = max(0.0, 1.0 - cfg.tier_step * yields)
+        limit = capacity * cfg.kv_target * share * quota
+        if reserved.requests == 0:
+            return Admit(wanted, limit)  # alone: the engine queues what does not fit
+        if wanted > limit:
+            self._refused_at = now
+            # How many of those in flight (of average size) must finish for this one to fit.
+            n = reserved.requests
+            own = _at(level, worst, expected, low)
+            own_var = demand.variance(block)
+            base, var = reserved.blocks_at(level), reserved.variance
+            k = next(
+                (
+                    k
+                    for k in range(1, n + 1)
+                    if base * (n - k) / n
+                    + own
+                    + _margin(level, cfg.spread_z, var * (n - k) / n + own_var)
+                    <= limit
+                ),
+                n,
+            )
+            return Hold(
+                HoldKind.reserved,
+                f"{wanted:.0f} KV blocks would be reserved at reserve level {level:+.2f}, "
+                f"over the {limit:.0f} this replica gives priority {p}",
+                self._retry_after(k, reserved, now),
+            )
+        kv = load.kv_usage
+        if kv is not None:
+            predicted = kv + max(self._kv_slope, 0.0) * (max(age, 0.0) + cfg.lookahead_s)
+            high = cfg.kv_high - cfg.tier_step * yields
+            if predicted >= high:
+                used_per_request = kv * capacity / max(load.running or reserved.requests, 1)
+                over_blocks = (predicted - high) * capacity + low
+                return Hold(
+                    HoldKind.near_full,
+                    f"kv cache {kv:.0%} used, heading for {predicted:.0%}: at or over the "
+                    f"{high:.0%} where priority {p} stops",
+                    self._retry_after(
+                        over_blocks / used_per_request if used_per_request > 0 else 1.0,
+                        reserved,
+                        now,
+                    ),
+                )
+        return Admit(wanted, limit)
+
+    def _retry_after(
+        self, requests_to_finish: float, reserved: Reservations, now: float
+    ) -> float | None:
+        rate = self.completions_per_s(now)
+        if not rate > 0:
+            return None
+        cfg = self.config
+        seconds = max(requests_to_finish, 1.0) / rate
+        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, float(math.ceil(seconds))))
+
+    def state(self, reserved: Reservations, load: EngineLoad | None, now: float) -> ControlState:
+        cfg = self.config
+        capacity = _capacity_blocks(load) if load is not None else None
+        level = self.effective_level(load, now) if load is not None else self.level
+        limit = capacity * cfg.kv_target if capacity is not None else None
+        return ControlState(
+            reserve_level=level,
+            learned_level=self.level,
+            cause=self.cause,
+            why=self.why,
+            limit_blocks=limit,
+            reserved_blocks=reserved.total_at(level, cfg.spread_z),
+            capacity_blocks=capacity,
+            kv_usage=load.kv_usage if load is not None else None,
+            preemption_rate_per_s=self._preempt_rate,
+            completions_per_s=self.completions_per_s(now),
+            metrics_age_s=(now - load.scraped_at) if load is not None else None,
+        )
+
+
+def _margin(reserve: float, spread_z: float, variance: float) -> float:
+    return spread_z * math.sqrt(variance / 100) * (1.0 - min(max(reserve, 0.0), 1.0))
+
+
+def _at(reserve: float, worst: float, expected: float, low: float) -> float:
+    if reserve >= 0:
+        return expected + min(reserve, 1.0) * (worst - expected)
+    return expected + max(reserve, -1.0) * (expected - low)
+
+
+def _capacity_blocks(load: EngineLoad | None) -> float | None:
+    if load is None or not load.kv_capacity_tokens:
+        return None
+    return load.kv_capacity_tokens / max(load.kv_block_size or 16, 1)
+
+
+def _level_covering(reserved: Reservations, used_blocks: float) -> float:
+    """The reserve level at which the reservations cover `used_blocks` (at most 1)."""
+    span = reserved.worst_blocks - reserved.expected_blocks
+    if span <= 0:
+        return 1.0
+    return min(1.0, (used_blocks - reserved.expected_blocks) / span)
