@@ -204,10 +204,18 @@ def sse_events(body: bytes) -> list[Any]:
 TERMINAL = ("response.completed", "response.incomplete")
 
 
-def test_a_responses_stream_split_anywhere_on_the_wire_ends_cleanly(artifacts: Path) -> None:
+# Adaptive admission (the default) reads the usage in these dialects' events, so their
+# streams are relayed event by event; with `reserve` they are relayed raw (`EndWatch`).
+RELAYS = {"events": {}, "raw": {"admission": {"mode": "reserve"}}}
+
+
+@pytest.mark.parametrize("relay_kind", list(RELAYS))
+def test_a_responses_stream_split_anywhere_on_the_wire_ends_cleanly(
+    artifacts: Path, relay_kind: str
+) -> None:
     sim = start_sim(artifacts, "--step-base-ms", "1")
     with running(sim), ChoppingRelay(sim.port or 0, piece=5) as relay:
-        gw = start_gateway(artifacts, [relay.url])
+        gw = start_gateway(artifacts, [relay.url], RELAYS[relay_kind])
         with running(gw):
             body = {"model": MODEL, "input": "Hi", "max_output_tokens": 40, "stream": True}
             for _ in range(3):
@@ -239,13 +247,15 @@ def read_until(r: httpx.Response, marker: bytes, count: int) -> bytes:
     return got + b"".join(chunks)
 
 
+@pytest.mark.parametrize("relay_kind", list(RELAYS))
 @pytest.mark.parametrize(
     ("fault", "code"), [({"kind": "crash"}, "upstream_reset"), ({"kind": "hang"}, "itl_timeout")]
 )
 def test_a_broken_responses_stream_ends_with_an_error_event_of_its_own_dialect(
-    artifacts: Path, fault: dict[str, Any], code: str
+    artifacts: Path, fault: dict[str, Any], code: str, relay_kind: str
 ) -> None:
-    sim, gw = fault_fleet(artifacts, 100, config={"timeouts": {"itl_s": 1.0}})
+    config = {"timeouts": {"itl_s": 1.0}, **RELAYS[relay_kind]}
+    sim, gw = fault_fleet(artifacts, 100, config=config)
     with running(gw, sim):
         body = {"model": MODEL, "input": "Hi", "max_output_tokens": 400, "stream": True}
         with httpx.stream("POST", gw.url + "/v1/responses", json=body, timeout=30) as r:

@@ -203,6 +203,11 @@ class Relay:
         assert ctx.req is not None
         dialect = ctx.req.dialect
         parse_events = st.strip_usage or st.track_text or ctx.reconcile
+        if dialect is not Dialect.openai and ctx.admission is not None:
+            # Adaptive admission learns the completion's length from the usage that the
+            # Responses and Anthropic dialects put in their events (the raw relay counts
+            # OpenAI chunks only).
+            parse_events = True
         tail = b""
         if opened.head:
             if parse_events:
