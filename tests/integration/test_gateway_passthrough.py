@@ -166,6 +166,17 @@ def test_engine_errors_pass_through_as_vllm_sent_them(failing_fleet: Proc, name:
         assert len(got["sse"]) == len(V.case(name)["sse"])
 
 
+def test_a_bodys_request_id_names_the_response_as_vllm_names_it(fleet: tuple[Proc, Proc]) -> None:
+    _, gw = fleet
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "request_id": "abc"}
+    r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+    assert r.json()["id"] == "cmpl-abc" and r.headers["X-Request-Id"] == "abc"
+    # the header still wins, as in vLLM
+    r = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": "hdr"},
+                   timeout=30)  # fmt: skip
+    assert r.json()["id"] == "cmpl-hdr"
+
+
 # ------------------------------------------------------------------ with a real client
 
 

@@ -56,6 +56,8 @@ def admission_stack(
             # vLLM names a response after the body's request_id unless an X-Request-Id
             # header says otherwise; the gateway's own id, sent as that header, would.
             ctx.request_id = safe_request_id(body_id) or ctx.request_id
+            if ctx.span is not None:  # the request's span was opened under the old id
+                ctx.span.span.set_attribute("seawall.request_id", ctx.request_id)
 
     async def known_model(request: web.Request, ctx: RequestCtx) -> None:
         req = ctx.req
