@@ -25,9 +25,11 @@ from seawall.fleet.config import FleetMonitorConfig
 from seawall.policy.adaptive_admission import ControlConfig
 from seawall.policy.admission import AdmissionThresholds
 from seawall.policy.limits import TierLimits
+from seawall.policy.pools import TierPools
 from seawall.protocol.routes import Route
 
 DEFAULT_TIER = "default"
+DEFAULT_POOL = "default"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 EngineKind = Literal["auto", "vllm", "sglang", "tgi", "llamacpp", "openai"]
@@ -48,6 +50,9 @@ class ReplicaConfig(_Strict):
     # it: without ids, removing one renumbers the ones after it (each then drains and
     # joins again), so give replicas ids where reloads change the list.
     id: str | None = None
+    # The pool (a region, a cluster, a hardware class: replicas that fail together) this
+    # replica belongs to; pools are defined under `pools:` ("default" always exists).
+    pool: str = "default"
     engine: EngineKind = "auto"
     api_key: str | None = None  # sent upstream as a bearer token; never logged
     # The public name clients ask for (LiteLLM's `model_name`), when it is not the served
@@ -235,6 +240,17 @@ class MetricsConfig(_Strict):
     token_hash: str | None = None  # "sha256:<hex>" (seawall keys new --tenant prometheus)
 
 
+class TierPoolsConfig(_Strict):
+    """How a tier uses pools (see policy/pools.py)."""
+
+    order: list[str] = Field(default_factory=list)  # its own pool order; [] = by priority
+    overflow: bool = True  # to the next pool when its pool is saturated
+    failover: bool = True  # to the next pool when its pool has no routable replica
+
+    def policy(self) -> TierPools:
+        return TierPools(tuple(self.order), self.overflow, self.failover)
+
+
 class TierConfig(_Strict):
     priority: Annotated[int, Field(ge=0)] = 0  # 0 is the most important; larger sheds first
     max_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -246,6 +262,9 @@ class TierConfig(_Strict):
     requests_per_min: Annotated[int, Field(ge=1)] | None = None
     timeouts: TimeoutOverrides | None = None
     migrate: bool = False  # continue a stream on another replica when its replica dies
+    # Which pools the tier may use, and whether it may leave its first one: a free tier
+    # may be shed rather than sent across regions ({overflow: false, failover: false}).
+    pools: TierPoolsConfig = TierPoolsConfig()
     # Bodies larger than this are refused (413) before any token is counted. None: derived
     # from max_prompt_tokens (protocol/tokens.py `max_prompt_bytes`: 10 bytes per token
     # + 64 KiB for the rest of the body); no bound without max_prompt_tokens.
@@ -374,6 +393,83 @@ class AdmissionConfig(_Strict):
         return self.enabled and (self.kv_reserve_max is not None or self.mode == "adaptive")
 
 
+class ClusterConfig(_Strict):
+    """Several gateway instances, one fleet: one elected leader probes, decides and acts;
+    the others follow its published view (see `seawall.cluster`). Off by default: a
+    single instance with `store: none` leads itself, exactly as before."""
+
+    # Where instances share leadership, the fleet view and the restart ledger: `none`
+    # (a single instance), `redis` (instances anywhere; `redis_url`), or `local` (several
+    # processes on one host, through the store server at `local_socket`).
+    store: Literal["none", "redis", "local"] = "none"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # may hold ${REDIS_PASSWORD} (envref)
+    key_prefix: str = "seawall:cluster:"  # every key the cluster writes is under it
+    local_socket: str = "seawall-cluster.sock"  # relative to the working directory
+    # Who leads: the store's own lease (`store`), or a coordination.k8s.io Lease
+    # (`kubernetes`; needs RBAC on leases; the state still lives in `store`).
+    election: Literal["store", "kubernetes"] = "store"
+    lease_name: str = "seawall-fleet-leader"
+    lease_namespace: str = "default"  # in Kubernetes, set it to the gateway's namespace
+    # This instance's name in the fleet. None: $POD_NAME, else "<hostname>-<pid>".
+    instance_id: str | None = None
+    # Where other instances reach this one's admin API (operator actions sent to a
+    # follower are forwarded to the leader's). None: the admin API's own host and port,
+    # with $POD_IP (else the hostname) in place of a wildcard host such as 0.0.0.0.
+    advertise_admin_url: str | None = None
+
+    # Leadership. A leader that dies is replaced within lease_ttl_s + renew_interval_s
+    # (5 s with these defaults; a clean shutdown hands over within renew_interval_s). A
+    # leader that cannot renew stops acting after lease_ttl_s - renew_interval_s (3 s),
+    # before anyone else may start. Kubernetes Leases count whole seconds (rounded up).
+    lease_ttl_s: PositiveSeconds = 4.0
+    renew_interval_s: PositiveSeconds = 1.0
+    # Membership: every instance reports its in-flight counts this often, and an
+    # instance that stops reporting leaves the fleet after member_ttl_s.
+    heartbeat_interval_s: PositiveSeconds = 0.5
+    member_ttl_s: PositiveSeconds = 3.0
+    # The fleet view: the leader publishes every change (at most every
+    # min_publish_interval_s) and at least every publish_interval_s; followers read it
+    # every view_poll_interval_s. A follower whose view is older than view_stale_s is
+    # fail-static (it says so in /readyz and the metrics, and keeps serving on it).
+    publish_interval_s: PositiveSeconds = 1.0
+    min_publish_interval_s: PositiveSeconds = 0.05
+    view_poll_interval_s: PositiveSeconds = 0.25
+    view_stale_s: PositiveSeconds = 3.0
+    store_timeout_s: PositiveSeconds = 0.5  # one store call, before it counts as down
+
+    # Passive outlier detection on followers (which probe nothing themselves), Envoy's
+    # consecutive-failure rule: this many replica faults in a row from the requests an
+    # instance relays eject that replica from its routing for outlier_ejection_s, twice
+    # as long at each repeat up to outlier_max_ejection_s, and never more than
+    # outlier_max_ejected_fraction of a model's replicas at once.
+    outlier_consecutive_failures: Annotated[int, Field(ge=1)] = 5
+    outlier_ejection_s: PositiveSeconds = 5.0
+    outlier_max_ejection_s: PositiveSeconds = 60.0
+    outlier_max_ejected_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ClusterConfig:
+        if self.election == "kubernetes" and self.store == "none":
+            raise ValueError(
+                "cluster.election: kubernetes needs a shared store for the fleet view and "
+                "the ledger (cluster.store: redis or local)"
+            )
+        if self.renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                "cluster.lease_ttl_s must be at least twice cluster.renew_interval_s "
+                "(a leader steps down after lease_ttl_s - renew_interval_s without renewal)"
+            )
+        if self.heartbeat_interval_s * 2 > self.member_ttl_s:
+            raise ValueError(
+                "cluster.member_ttl_s must be at least twice cluster.heartbeat_interval_s"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.store != "none"
+
+
 class TelemetryConfig(_Strict):
     """OpenTelemetry traces, exported over OTLP/HTTP. Off by default, and then nothing of
     OpenTelemetry is imported or run; W3C trace context (`traceparent`, `tracestate`) is
@@ -405,6 +501,43 @@ class LoggingConfig(_Strict):
     access_log: bool = True  # one record per request (`--no-access-log` turns it off)
 
 
+class BreakerConfig(_Strict):
+    """A circuit breaker on a whole pool (policy/circuit.py): for a remote pool reached
+    through one address, whose replicas are not ours to see."""
+
+    failures: Annotated[int, Field(ge=1)] = 5  # consecutive failed attempts open it
+    open_s: PositiveSeconds = 10.0  # then one trial request after this long
+
+
+class PoolConfig(_Strict):
+    """A group of replicas that fail together. Traffic stays in the highest-priority pool
+    that can serve a model; see policy/pools.py for overflow, failover and failback."""
+
+    priority: Annotated[int, Field(ge=0)] = 0  # 0 is served first
+    # passive: no traffic while a pool before it can serve, except the deep probes and
+    # warm-up that keep it proven (a standby region).
+    mode: Literal["active", "passive"] = "active"
+    # A remote pool's own timeouts (a WAN hop and another gateway's queue: a higher TTFT
+    # budget); unset ones come from the route and tier.
+    timeouts: TimeoutOverrides | None = None
+    breaker: BreakerConfig | None = None  # None: no breaker (local replicas are probed)
+    # At most one deep probe per replica this often: a remote pool's GPUs are someone
+    # else's, and a probe is real work for them. None: the fleet monitor's own intervals.
+    deep_probe_min_interval_s: PositiveSeconds | None = None
+
+
+class FailoverConfig(_Strict):
+    """When the serving pool of a model moves (policy/pools.py). Requests that cannot be
+    served in their pool go on at once when their tier allows it; these hold the *pool
+    state* steady, so that one bad probe does not move a region's traffic."""
+
+    after_s: PositiveSeconds = 2.0  # the serving pool down this long: fail over
+    failback_after_s: PositiveSeconds = 30.0  # a better pool up this long: fail back
+    # Told to a request whose tier may not leave its pool, when the pool has no
+    # routable replica: roughly how long a replica takes to be readmitted.
+    retry_after_s: PositiveSeconds = 10.0
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     server: ServerConfig = ServerConfig()
@@ -427,6 +560,10 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
     fleet: FleetMonitorConfig = FleetMonitorConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    # Pools of replicas (regions, clusters, hardware classes); "default" always exists.
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    failover: FailoverConfig = FailoverConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     logging: LoggingConfig = LoggingConfig()
     seed: int | None = None  # for the balancer's random choices; None = from the OS
@@ -461,6 +598,25 @@ class GatewayConfig(_Strict):
             object.__setattr__(self, "model_list", [])
             # A dump of the set fields (`seawall serve` merges its flags that way) keeps them.
             self.__pydantic_fields_set__.add("replicas")
+        return self
+
+    @model_validator(mode="after")
+    def _known_pools(self) -> GatewayConfig:
+        if DEFAULT_POOL not in self.pools:
+            object.__setattr__(self, "pools", {**self.pools, DEFAULT_POOL: PoolConfig()})
+        for i, r in enumerate(self.replicas):
+            if r.pool not in self.pools:
+                raise ValueError(
+                    f"replicas.{i}.pool: unknown pool {r.pool!r}; defined pools: "
+                    f"{sorted(self.pools)}"
+                )
+        for name, t in self.tiers.items():
+            unknown = [p for p in t.pools.order if p not in self.pools]
+            if unknown:
+                raise ValueError(
+                    f"tiers.{name}.pools.order: unknown pools {unknown}; defined pools: "
+                    f"{sorted(self.pools)}"
+                )
         return self
 
     @model_validator(mode="after")

@@ -63,7 +63,11 @@ HARDWARE_TICKETS = "seawall_hardware_tickets_total"
 MIGRATIONS = "seawall_migrations_total"
 STREAM_ERRORS = "seawall_stream_errors_total"
 DRAINING = "seawall_draining"
-# pools (issue 16). Names only: the gateway registers these families (the lead's wiring);
+CLUSTER_ROLE = "seawall_cluster_role"
+CLUSTER_FAIL_STATIC = "seawall_cluster_fail_static"
+CLUSTER_INSTANCES = "seawall_cluster_instances"
+FLEET_VIEW_AGE = "seawall_fleet_view_age_seconds"
+# pools (issue 16), registered below;
 # `seawall budget --from-prometheus` reads them (ops/budget_prom.py).
 REPLICA_POOL = "seawall_replica_pool"  # {replica, pool} = 1: which pool a replica is in
 POOL_INFO = "seawall_pool_info"  # {pool, priority, mode} = 1
@@ -296,6 +300,58 @@ class Metrics:
             "Streams that reached the client and then ended with an error event "
             "(dropped streams), by cause.",
             ["reason"],
+            registry=r,
+        )
+        # Pools (gateway/pools.py): where each model is served, and its moves.
+        self.replica_pool = Gauge(
+            REPLICA_POOL, "1 for the pool each replica is in.", ["replica", "pool"], registry=r
+        )
+        self.pool_info = Gauge(
+            POOL_INFO,
+            "1 for each pool, with its priority and mode.",
+            ["pool", "priority", "mode"],
+            registry=r,
+        )
+        self.pool_routable = Gauge(
+            POOL_ROUTABLE,
+            "Replicas of the pool serving the model that may take new work now.",
+            ["pool", "model"],
+            registry=r,
+        )
+        self.pool_serving = Gauge(
+            POOL_SERVING, "1 for the pool serving the model now.", ["pool", "model"], registry=r
+        )
+        self.pool_failovers = Counter(
+            POOL_FAILOVERS[: -len("_total")],
+            "A model's traffic moved to a later pool (its pool had no routable replica).",
+            ["model", "from_pool", "to_pool"],
+            registry=r,
+        )
+        self.pool_failbacks = Counter(
+            POOL_FAILBACKS[: -len("_total")],
+            "A model's traffic moved back to a better pool (healthy long enough).",
+            ["model", "from_pool", "to_pool"],
+            registry=r,
+        )
+        # Several gateway instances, one fleet (seawall.cluster).
+        self.cluster_role = Gauge(
+            CLUSTER_ROLE,
+            "1 for this instance's role in the fleet (leader or follower), 0 for the other.",
+            ["role"],
+            registry=r,
+        )
+        self.cluster_fail_static = Gauge(
+            CLUSTER_FAIL_STATIC,
+            "1 while this instance serves on a fleet view it cannot refresh (the cluster "
+            "store or the leader is gone).",
+            registry=r,
+        )
+        self.cluster_instances = Gauge(
+            CLUSTER_INSTANCES, "Live gateway instances in the fleet, this one included.", registry=r
+        )
+        self.fleet_view_age = Gauge(
+            FLEET_VIEW_AGE,
+            "Age of the fleet view this instance routes by (0 on the leader).",
             registry=r,
         )
 

@@ -217,3 +217,41 @@ def test_status_page_loads_nothing_from_outside_the_admin_port() -> None:
     outside = set(re.findall(r"(?:https?:)?//[\w.-]+\.\w+[^\s\"')]*", html))
     assert outside <= {"http://www.w3.org/2000/svg"}, outside
     assert not re.search(r"<(?:script|link|img)[^>]+(?:src|href)=", html)
+
+
+async def test_status_page_shows_pools_and_a_failover_live(artifacts: Path, tmp_path: Path) -> None:
+    """With two pools the page lists them, where the model is served, and each move."""
+    east, west = start_sim(artifacts, name="east"), start_sim(artifacts, name="west")
+    port = free_port()
+    cfg = {
+        "admin": {"enabled": True, "port": port, "token_hash": hash_key(ADMIN_TOKEN)},
+        "pools": {"east": {"priority": 0}, "west": {"priority": 1, "mode": "passive"}},
+        "failover": {"after_s": 0.5},
+        "replicas": [
+            {"id": "e0", "url": east.url, "model": MODEL, "pool": "east"},
+            {"id": "w0", "url": west.url, "model": MODEL, "pool": "west"},
+        ],
+        "fleet": {"liveness_interval_s": 0.25, "scrape_interval_s": 0.25},
+    }
+    gw = start_gateway(artifacts, [], cfg)
+    with running(gw, east, west):
+        async with chromium(tmp_path / "profile", artifacts) as page:
+            await page.goto(f"http://127.0.0.1:{port}/status#token={ADMIN_TOKEN}")
+            east_row = "document.querySelector('#pools [data-pool=\"east\"]')?.textContent"
+            west_row = "document.querySelector('#pools [data-pool=\"west\"]')?.textContent"
+            await page.wait_for(
+                f"({east_row} || '').includes('serving {MODEL}')", 10, "east shown serving"
+            )
+            assert "passive" in await page.js(west_row)
+            await page.js("window.notReloaded = true")
+            east.popen.kill()
+            await page.wait_for(
+                f"({west_row} || '').includes('serving {MODEL}')", 10, "west shown serving"
+            )
+            await page.wait_for(
+                "document.querySelector('#pools [data-pool-event=\"failover\"]') !== null",
+                5,
+                "the failover listed",
+            )
+            assert await page.js("window.notReloaded") is True
+            await page.screenshot(artifacts / "status-pools.png")

@@ -259,3 +259,42 @@ def test_rolling_restart_drill_under_seawall_up_drops_no_stream(up: Up) -> None:
     assert report["detection_s"] is None  # a rollout is announced, not detected
     after = up.routable()
     assert len(after) == 3 and not set(after) & set(before)
+
+
+def test_pool_loss_drill_reports_the_failover_and_the_failback(artifacts: Path) -> None:
+    """Issue 16: take the serving pool down under load. Clients see no failure before a
+    first token (requests go on to the standby region at once), the model moves to the
+    other pool, and back once the pool has returned and stayed healthy for the hold."""
+    from tests.support.chop import ChoppingRelay
+    from tests.support.fleet import MODEL
+
+    east = [start_sim(artifacts, name=f"east{i}") for i in range(2)]
+    west = start_sim(artifacts, name="west")
+    with running(west), ChoppingRelay(west.port or 0, piece=None, delay_s=0.02) as wan:
+        replicas = [
+            {"id": f"e{i}", "url": s.url, "model": MODEL, "pool": "east"}
+            for i, s in enumerate(east)
+        ]
+        replicas.append({"id": "w0", "url": wan.url, "model": MODEL, "pool": "west"})
+        gw, admin = admin_gateway(
+            artifacts,
+            [],
+            {
+                "replicas": replicas,
+                "pools": {"east": {}, "west": {"priority": 1, "mode": "passive"}},
+                "failover": {"after_s": 1.0, "failback_after_s": 2.0},
+            },
+        )
+        with running(gw, *east):
+            wait_until(partial(all_routable, admin), 15, interval=0.2, what="all routable")
+            out = drill(admin, "pool-loss", "--duration", "14", "--concurrency", "3", "--json")
+            report = report_of(out)
+            (artifacts / "pool-loss.json").write_text(out.stdout)
+            human = drill(admin, "pool-loss", "--duration", "10", "--concurrency", "2")
+    assert report["pool"] == "east" and report["cleared"] is True
+    assert report["failover_s"] is not None and report["failover_s"] < 5.0
+    assert report["failback_s"] is not None and report["failback_s"] >= 2.0
+    assert report["failed_before_first_token"] == 0
+    assert report["during"]["ok"] > 0  # served from the standby region meanwhile
+    assert report["requests_failed"] == 0  # nothing that had not started streaming failed
+    assert human.returncode == 0 and "time to fail over" in human.stderr + human.stdout

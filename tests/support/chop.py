@@ -9,6 +9,10 @@ a network condition, not a stand-in for the engine: the bytes are the engine's o
 
 It also keeps what the client sent (`sent`), so a test can read the request headers a
 real engine received (a `traceparent`, say) without the engine having to log them.
+
+With `delay_s` it also stands in for a WAN: every chunk, in both directions, arrives
+`delay_s` after it was sent (order kept), so a pool of sims behind it is a remote region
+on loopback. `piece=None` forwards chunks whole.
 """
 
 from __future__ import annotations
@@ -20,10 +24,17 @@ import threading
 
 
 class ChoppingRelay:
-    def __init__(self, target_port: int, piece: int = 8, pause_s: float = 0.0005) -> None:
+    def __init__(
+        self,
+        target_port: int,
+        piece: int | None = 8,
+        pause_s: float = 0.0005,
+        delay_s: float = 0.0,
+    ) -> None:
         self.target_port = target_port
         self.piece = piece
         self.pause_s = pause_s
+        self.delay_s = delay_s
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -78,6 +89,9 @@ class ChoppingRelay:
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool
     ) -> None:
+        if self.delay_s > 0:
+            await self._delayed(reader, writer, chop)
+            return
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
                 if not chop:
@@ -85,7 +99,46 @@ class ChoppingRelay:
                     writer.write(data)
                     await writer.drain()
                     continue
-                for i in range(0, len(data), self.piece):
-                    writer.write(data[i : i + self.piece])
+                await self._write(writer, data)
+
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if self.piece is None:
+            writer.write(data)
+            await writer.drain()
+            return
+        for i in range(0, len(data), self.piece):
+            writer.write(data[i : i + self.piece])
+            await writer.drain()
+            await asyncio.sleep(self.pause_s)
+
+    async def _delayed(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool
+    ) -> None:
+        """Forward each chunk `delay_s` after it arrived, in order."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def send() -> None:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    return
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if chop:
+                    await self._write(writer, data)
+                else:
+                    writer.write(data)
                     await writer.drain()
-                    await asyncio.sleep(self.pause_s)
+
+        sender = asyncio.ensure_future(send())
+        try:
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    if not chop:
+                        self.sent += data
+                    queue.put_nowait((loop.time() + self.delay_s, data))
+            queue.put_nowait((loop.time() + self.delay_s, b""))
+            with contextlib.suppress(ConnectionError):
+                await sender
+        finally:
+            sender.cancel()

@@ -188,11 +188,17 @@ def test_a_node_holding_the_whole_pool_is_a_pool_loss() -> None:
 
 def test_overflow_goes_to_the_other_pools_only_for_workloads_that_may() -> None:
     tight = Pool("a", 2, 8, 1, 100, max_streams_per_replica=8)  # a crash leaves no room
-    roomy = Pool("b", 2, 0, 0, 100, max_streams_per_replica=8, passive=True)
-    for overflow, refused in ((True, 0.0), (False, 4 * 0.5 * 100 * 2)):
+    roomy = Pool("b", 2, 0, 0, 100, max_streams_per_replica=8)  # active, idle
+    standby = replace(roomy, passive=True)
+    no_room = 4 * 0.5 * 100 * 2  # 16 streams of 4 s: 4 requests/s, half refused, twice
+    for other, overflow, refused in (
+        (roomy, True, 0.0),
+        (roomy, False, no_room),
+        # A passive pool takes traffic by failover only: a saturated pool is healthy.
+        (standby, True, no_room),
+    ):
         w = (Workload("w", 1, 4, overflow=overflow),)
-        r = compute_fleet(FleetInputs((tight, roomy), 0.999, 1, w))
-        # 16 streams of 4 s: 4 requests/s, half of them with no room for 100 s, twice.
+        r = compute_fleet(FleetInputs((tight, other), 0.999, 1, w))
         assert loss(r, "a", Loss.crash).refused == pytest.approx(refused)
 
 

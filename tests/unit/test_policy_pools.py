@@ -139,3 +139,12 @@ def test_the_breaker_opens_after_consecutive_failures_and_lets_one_trial_through
     ok, s = cb.allows(b, s, 24.5)
     s = cb.record(b, s, True, 24.6)
     assert ok and s == cb.BreakerState()
+
+
+def test_a_fleet_coming_up_serves_from_its_best_pool_as_soon_as_it_is_up() -> None:
+    # The standby region answered its first probe before the primary did: nothing has
+    # failed over, so there is nothing to hold; east serves the moment it is healthy.
+    state, events = run([(0.0, DOWN, UP), (0.5, UP, UP)])
+    assert state.serving == "east"
+    assert [e[1] for e in events] == [Change.first, Change.first]
+    assert not [e for e in events if e[1] in (Change.failover, Change.failback)]

@@ -29,6 +29,9 @@ class ReplicaRef:
     model: str = ""
     pod: str | None = None  # Kubernetes pod name, when known
     namespace: str | None = None
+    # The pod's uid when known: a delete carries it as a precondition, so it can never
+    # kill the replacement that a ReplicaSet (or a StatefulSet) started under the name.
+    uid: str | None = None
 
     @property
     def domain(self) -> str:

@@ -8,6 +8,13 @@ pods (we only stop new scheduling) and gets a taint so that schedulers which ign
 
 Must not decide: when to restart or cordon is the monitor's (and `seawall.policy`'s) call.
 
+One actor. Every pod delete carries the pod's uid as a precondition
+(`DeleteOptions.preconditions.uid`, as the Kubernetes controllers send it): the uid from
+EndpointSlice discovery (the endpoint's targetRef) or from the pod found by its IP. A
+delete that arrives after the pod was already replaced (its name now belongs to a new
+pod, a StatefulSet's way) is refused with 409 by the API server, so a late or second
+actor can never kill the replacement while it loads. Such a refusal restarts nothing.
+
 Request shapes follow the Kubernetes API reference (core/v1): DELETE
 /api/v1/namespaces/{ns}/pods/{name} with a DeleteOptions body; PATCH /api/v1/nodes/{name}
 as a strategic merge patch (what `kubectl cordon` sends); POST
@@ -104,31 +111,48 @@ class KubernetesActuator:
 
     async def _delete_pod(self, replica: ReplicaRef, grace_s: float | None, reason: str) -> bool:
         namespace = replica.namespace or self.default_namespace
-        pod = replica.pod or await self._pod_by_ip(replica, namespace)
+        pod, uid = replica.pod, replica.uid
+        if pod is None:
+            pod, uid = await self._pod_by_ip(replica, namespace)
         if pod is None:
             log.warning("no pod found for replica %s (%s)", replica.replica_id, replica.url)
             return False
-        body = self._client.V1DeleteOptions(
-            grace_period_seconds=None if grace_s is None else max(0, int(grace_s))
+        c = self._client
+        body = c.V1DeleteOptions(
+            grace_period_seconds=None if grace_s is None else max(0, int(grace_s)),
+            preconditions=c.V1Preconditions(uid=uid) if uid else None,
         )
         log.info("deleting pod %s/%s (%s): %s", namespace, pod, replica.replica_id, reason)
         try:
             await self._core.delete_namespaced_pod(pod, namespace, body=body)
-        except self._client.ApiException as exc:
+        except c.ApiException as exc:
+            if exc.status == 409 and uid:
+                log.warning(
+                    "not deleting pod %s/%s: it is no longer the pod %s was (uid %s); "
+                    "it was replaced already",
+                    namespace,
+                    pod,
+                    replica.replica_id,
+                    uid,
+                )
+                return False
             if exc.status != 404:  # already gone is what we wanted
                 raise
         return True
 
-    async def _pod_by_ip(self, replica: ReplicaRef, namespace: str) -> str | None:
-        """Replicas found through the headless Service are known by IP only."""
+    async def _pod_by_ip(
+        self, replica: ReplicaRef, namespace: str
+    ) -> tuple[str | None, str | None]:
+        """Replicas found through the headless Service are known by IP only: the pod
+        there now, with its uid (the delete must reach that pod and no later one)."""
         host = urlsplit(replica.url).hostname
         if not host:
-            return None
+            return None, None
         pods = await self._core.list_namespaced_pod(
             namespace, field_selector=f"status.podIP={host}"
         )
-        names = [p.metadata.name for p in pods.items if p.metadata is not None]
-        return names[0] if names else None
+        found = [p.metadata for p in pods.items if p.metadata is not None]
+        return (found[0].name, found[0].uid) if found else (None, None)
 
     async def _patch_node(
         self, node: str, unschedulable: bool, add_taint: dict[str, str] | None

@@ -34,6 +34,7 @@ class Endpoint:
     node: str = ""  # unknown with DNS discovery
     pod: str | None = None
     namespace: str | None = None
+    uid: str | None = None  # the pod's uid, from the EndpointSlice's targetRef
 
     @property
     def url(self) -> str:
@@ -85,9 +86,13 @@ class EndpointSliceDiscovery:
                 # `ready` unset means ready (API docs); terminating pods are not ready.
                 if ep.conditions is not None and ep.conditions.ready is False:
                     continue
-                pod = ep.target_ref.name if ep.target_ref is not None else None
+                ref = ep.target_ref
+                pod = ref.name if ref is not None else None
+                uid = ref.uid if ref is not None else None
                 for address in ep.addresses or []:
-                    found.add(Endpoint(address, self.port, ep.node_name or "", pod, self.namespace))
+                    found.add(
+                        Endpoint(address, self.port, ep.node_name or "", pod, self.namespace, uid)
+                    )
         return frozenset(found)
 
 

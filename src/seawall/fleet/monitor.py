@@ -22,10 +22,18 @@ change a new immutable `FleetSnapshot` is swapped in: `snapshot()` is an attribu
 The admin presenter (`present.py`), the metrics export (`export.py`, a snapshot
 subscriber) and hardware tickets (`seawall.actuate.tickets`) live elsewhere.
 
-Roles (next: one leader, many followers). Everything a follower would not do (deep
-probes, the watchdog, the ledger, actuation) is started from `_replica_loops` and
-carried out in `_execute`; a follower mode is a choice of loops there and, in
-`_execute`, applying a published view instead of acting.
+Roles: one leader, many followers (several gateway instances, `seawall.cluster`). A
+monitor that leads (the default, and always for a single instance) does all of the
+above. A follower's monitor runs no loops at all: no probes, no scrapes, no watchdog,
+no actions; `apply_view` makes its snapshot the leader's published view (its records
+follow the view too, for the admin API); on a view too old to refresh (fail-static),
+`hold_view` keeps it without its stale engine readings. `lead()` turns a follower into the leader
+without a blip: every replica keeps the state the last view gave it (a ready replica
+stays ready while the new leader's first probes go out), a replica the old leader was
+draining is drained again, one it was restarting is `starting`, and the cordons come
+back from the shared ledger. `follow()` stops every leader loop and action. The
+leader's `export_view` is what the cluster publishes. The request path is unchanged
+either way: it reads `snapshot()`.
 
 Must not: sit on the request path (the gateway reads `snapshot()` and never awaits the
 monitor), decide what belongs to the policies, or read time other than through
@@ -35,6 +43,7 @@ monitor), decide what belongs to the policies, or read time other than through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import statistics
@@ -54,9 +63,10 @@ from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Discovery, Endpoint, watch
 from seawall.fleet.export import FleetMetricFamilies, FleetMetrics
 from seawall.fleet.gpu import HEALTHY, GpuHealth, assess, parse_dcgm
+from seawall.fleet.published import PublishedReplica, PublishedView
 from seawall.fleet.signals import GatewaySignals, NoGatewaySignals, Observed
 from seawall.fleet.tracked import ReplicaSpec, TrackedDomain, TrackedReplica, TransitionRecord
-from seawall.fleet.view import FleetSnapshot, ReplicaView
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.policy import health
 from seawall.policy import replica_rules as rules
 from seawall.policy.health import Action, Event, State, Transition
@@ -65,7 +75,7 @@ from seawall.policy.replica_rules import PROBED_STATES, Probe, Progress, Step, V
 from seawall.policy.score import HealthScore, ScoreInputs
 from seawall.policy.storm import StormDetector
 from seawall.policy.watchdog import ProgressWatchdog
-from seawall.state.ledger import RestartLedger
+from seawall.state.ledger import Ledger, LedgerError, RestartLedger
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +98,11 @@ class FleetMonitor:
         actuator: Actuator | None = None,
         metrics: FleetMetricFamilies | None = None,
         signals: GatewaySignals | None = None,
-        ledger: RestartLedger | None = None,
+        ledger: Ledger | None = None,
         session: aiohttp.ClientSession | None = None,
         score: HealthScore | None = None,
         rng: random.Random | None = None,
+        leading: bool = True,
     ) -> None:
         self.config = config
         self.actuator: Actuator = actuator or NoActuator()
@@ -120,6 +131,9 @@ class FleetMonitor:
         self._history: deque[TransitionRecord] = deque(maxlen=50)
         self._running = False
         self._pending = list(replicas)
+        self._leading = leading
+        self._lag_task: asyncio.Task[None] | None = None
+        self._discovery: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -131,21 +145,36 @@ class FleetMonitor:
             self._ledger = RestartLedger(self.config.ledger_path)
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        self._spawn(self._lag_loop())
-        # Cordons outlive the monitor: a domain cordoned before a redeploy stays
-        # cordoned, and its replicas are never routable in between.
-        for name, record in (await self.ledger.cordoned_nodes()).items():
+        self._lag_task = self._spawn(self._lag_loop())
+        if self._leading:
+            await self._restore_cordons()
+        pending, self._pending = self._pending, []
+        for spec in pending:
+            self.add_replica(spec)
+        if self._leading:
+            self._start_domain_loops()
+        self._publish(force=True)
+
+    async def _restore_cordons(self) -> None:
+        """Cordons outlive the monitor (and its leadership): a domain cordoned before a
+        redeploy or a fail-over stays cordoned, its replicas never routable in between."""
+        try:
+            cordons = await self.ledger.cordoned_nodes()
+        except LedgerError as e:
+            log.error("could not read the cordons from the restart ledger: %s", e)
+            return
+        for name, record in cordons.items():
             d = self._domain(name)
             d.cordoned, d.since_wall, d.evidence = True, record.since_wall, record.evidence
             # The actuator must know too: a local supervisor would otherwise restart
             # replicas in a domain the ledger says is cordoned.
             await self.actuator.cordon(name, record.evidence or Evidence(name, ("restored",)))
-        pending, self._pending = self._pending, []
-        for spec in pending:
-            self.add_replica(spec)
+            for rep in self._in_domain(name):
+                self._fire(rep, Event.cordon, "node is cordoned (kept in the ledger)")
+
+    def _start_domain_loops(self) -> None:
         for node, url in self.config.dcgm.items():
             self._domain(node).task = self._spawn(self._dcgm_loop(node, url))
-        self._publish(force=True)
 
     async def stop(self) -> None:
         """Cancel every loop and action; close what the monitor opened itself."""
@@ -171,7 +200,11 @@ class FleetMonitor:
         await self.stop()
 
     @property
-    def ledger(self) -> RestartLedger:
+    def leading(self) -> bool:
+        return self._leading
+
+    @property
+    def ledger(self) -> Ledger:
         assert self._ledger is not None, "FleetMonitor.start() opens the ledger"
         return self._ledger
 
@@ -224,6 +257,8 @@ class FleetMonitor:
         )
 
     def _replica_loops(self, rep: TrackedReplica) -> list[Coroutine[Any, Any, None]]:
+        if not self._leading:
+            return []  # a follower probes nothing: the leader's view says it all
         return [self._liveness_loop(rep), self._scrape_loop(rep), self._deep_loop(rep)]
 
     def remove_replica(self, replica_id: str) -> None:
@@ -266,7 +301,161 @@ class FleetMonitor:
         def changed(endpoints: frozenset[Endpoint]) -> None:
             reconcile([_spec_from(e, model, engine) for e in sorted(endpoints)])
 
-        self._spawn(watch(discovery, interval_s, changed, stop))
+        self.stop_discovery()
+        self._discovery = self._spawn(watch(discovery, interval_s, changed, stop))
+
+    def stop_discovery(self) -> None:
+        """Stop re-resolving (a follower's membership comes from the leader's view)."""
+        if self._discovery is not None:
+            self._discovery.cancel()
+            self._discovery = None
+
+    # ---------------------------------------------------------------- roles
+
+    async def lead(self) -> None:
+        """Become the leader: start every loop, carrying on from the last applied view."""
+        if self._leading:
+            return
+        self._leading = True
+        if not self._running:
+            return  # `start()` does the rest
+        now = clock.monotonic()
+        for rep in self._replicas.values():
+            self._seed(rep, now)
+        await self._restore_cordons()
+        for rep in self._replicas.values():
+            rep.tasks = [self._spawn(loop, keep=False) for loop in self._replica_loops(rep)]
+            if rep.state is State.draining:
+                # The old leader was waiting for this drain; the wait starts again here.
+                self._act(rep, "drain", self._drain(rep))
+        self._start_domain_loops()
+        self._publish(force=True)
+
+    def _seed(self, rep: TrackedReplica, now: float) -> None:
+        """A replica's records when leadership moves to this monitor: its state stays
+        (see the module docstring); the rules' evidence starts afresh, except that a
+        degraded replica is readmitted by its next passing deep probe, and the startup
+        allowance keeps running from the real start."""
+        sig = rules.fresh(rep.signals.started_at, rep.signals.verify_with_deep_probe)
+        if rep.state in (State.restarting, State.dead):
+            before = rep.state
+            rep.state = State.starting
+            rep.reason = "leadership moved during its restart; waiting for a healthy probe"
+            sig = rules.fresh(now, sig.verify_with_deep_probe)
+            self._record(rep, "seeded", before, rep.state, rep.reason)
+        elif rep.state is State.degraded:
+            sig = dataclasses.replace(sig, deep_reported=True)
+        rep.signals = sig
+        rep.watchdog = ProgressWatchdog(self.config.watchdog_window_s)
+        rep.storm = self._new_storm()
+        rep.verifying = False
+
+    def follow(self) -> None:
+        """Stop leading: every loop and action of the leader stops; the snapshot stays
+        as it was until the next `apply_view`."""
+        if not self._leading:
+            return
+        self._leading = False
+        for rep in self._replicas.values():
+            for t in rep.tasks:
+                t.cancel()
+            rep.tasks = []
+            rep.action = None
+            rep.verifying = False
+        for d in self._domains.values():
+            d.task = None
+        self._discovery = None
+        for task in list(self._background):
+            if task is not self._lag_task:
+                task.cancel()  # actions, verifications, cordons, DCGM, discovery
+
+    def apply_view(self, view: PublishedView) -> None:
+        """A follower takes the leader's view: the snapshot becomes it, and the records
+        follow it (the admin API shows them, and a promotion carries on from them).
+        Membership is the caller's: it adds and removes replicas first."""
+        if self._leading:
+            return
+        for p in view.replicas:
+            rep = self._replicas.get(p.spec.replica_id)
+            if rep is None:
+                continue
+            try:
+                rep.state = State(p.view.state)
+            except ValueError:
+                continue  # a state a newer leader knows and we do not: keep ours
+            rep.reason = p.view.reason
+            rep.held = p.view.held
+            rep.load = p.view.load
+            rep.restarts, rep.failures = p.restarts, p.failures
+            rep.model = p.view.model or rep.model
+            rep.signals = dataclasses.replace(
+                rep.signals,
+                started_at=p.started_at,
+                verify_with_deep_probe=p.verify_with_deep_probe,
+            )
+        for name in set(view.cordons) | {d.name for d in self._domains.values() if d.cordoned}:
+            d = self._domain(name)
+            reasons = view.cordons.get(name)
+            d.cordoned = reasons is not None
+            if reasons is not None and (d.evidence is None or d.evidence.reasons != reasons):
+                d.evidence = Evidence(name, reasons)
+            elif reasons is None:
+                d.evidence, d.since_wall = None, None
+        self._snapshot = view.snapshot()
+        for listener in self._listeners:
+            listener(self._snapshot)
+
+    def hold_view(self) -> None:
+        """Fail-static: keep routing on the last view (states, holds, cordons, scores),
+        but without its engine readings, which are now older than anything admission
+        may act on: each load keeps only what does not change while a replica runs
+        (its KV capacity and block size, so this instance's own KV reservations still
+        bound what it admits), stamped now, and no saturation verdict drawn from old
+        queues. Without this, a view older than admission's `metrics_max_age_s` would
+        read as "metrics stale" on every replica and refuse all work."""
+        if self._leading:
+            return
+        now = clock.monotonic()
+        snap = self._snapshot
+        held = {
+            rid: dataclasses.replace(
+                v, load=_static_load(v.load, now), saturated=False, saturation_reason=""
+            )
+            for rid, v in snap.replicas.items()
+        }
+        self._snapshot = FleetSnapshot(held, snap.taken_at, snap.cordoned)
+        for listener in self._listeners:
+            listener(self._snapshot)
+
+    def export_view(
+        self,
+        leader: str,
+        epoch: int,
+        seq: int,
+        published_wall: float,
+        quotas: dict[str, Any] | None = None,
+    ) -> PublishedView:
+        """The leader's view, for the cluster to publish."""
+        snap = self._snapshot
+        replicas = tuple(
+            PublishedReplica(
+                spec=rep.spec,
+                view=snap.replicas.get(rid) or self._view(rep),
+                restarts=rep.restarts,
+                failures=rep.failures,
+                started_at=rep.signals.started_at,
+                verify_with_deep_probe=rep.signals.verify_with_deep_probe,
+            )
+            for rid, rep in self._replicas.items()
+        )
+        cordons = {
+            d.name: d.evidence.reasons if d.evidence and d.evidence.reasons else ("cordoned",)
+            for d in self._domains.values()
+            if d.cordoned
+        }
+        return PublishedView(
+            leader, epoch, seq, published_wall, snap.taken_at, replicas, cordons, quotas or {}
+        )
 
     # ---------------------------------------------------------------- operator actions
 
@@ -412,7 +601,10 @@ class FleetMonitor:
             busy = self.signals.streams_in_flight(rid) > 0 or bool(
                 rep.load is not None and rep.load.running
             )
-            await asyncio.sleep(rules.deep_probe_delay_s(busy, self._th, self._rng.uniform(-1, 1)))
+            delay = rules.deep_probe_delay_s(
+                busy, self._th, self._rng.uniform(-1, 1), rep.spec.deep_probe_min_interval_s
+            )
+            await asyncio.sleep(delay)
             if rep.state not in PROBED_STATES:
                 continue
             generation = rep.generation
@@ -528,6 +720,8 @@ class FleetMonitor:
         """Feed one edge event to the state machine and carry out the transition."""
         if self._replicas.get(rep.spec.replica_id) is not rep:
             return  # removed meanwhile
+        if not self._leading:
+            return  # a follower's states are the leader's (`apply_view`)
         t = health.step(rep.state, event)
         if t.actions == (Action.none,) and t.next is rep.state:
             return
@@ -629,9 +823,12 @@ class FleetMonitor:
         elif failure:
             rep.failures += 1
         if kind is not None:
-            await self.ledger.record(
-                RestartRecord(spec.domain, spec.replica_id, reason, clock.wall(), kind)
-            )
+            try:
+                await self.ledger.record(
+                    RestartRecord(spec.domain, spec.replica_id, reason, clock.wall(), kind)
+                )
+            except LedgerError as e:  # the restart stands; only its row is lost
+                log.error("restart of %s not recorded: %s", spec.replica_id, e)
         self._reset(rep, verify=rules.needs_verification(failure, restarted))
         rep.action = None
         self._fire(rep, Event.restarted, reason)
@@ -649,7 +846,11 @@ class FleetMonitor:
     async def _maybe_cordon(self, domain: str) -> None:
         cfg = self.config
         now_wall = clock.wall()
-        counted = await self._counted_restarts(domain, now_wall)
+        try:
+            counted = await self._counted_restarts(domain, now_wall)
+        except LedgerError as e:
+            log.error("cannot count the restarts of %s: %s", domain, e)
+            return
         if self._domain(domain).cordoned:
             return
         times = [r.at_wall for r in counted]
@@ -669,7 +870,10 @@ class FleetMonitor:
         for rep in self._in_domain(domain):
             self._fire(rep, event, "; ".join(reasons))
         self._publish()
-        counted = await self._counted_restarts(domain, d.since_wall)
+        try:
+            counted = await self._counted_restarts(domain, d.since_wall)
+        except LedgerError:
+            counted = []
         gpu = {"gpu_fatal": "; ".join(d.gpu.reasons)} if d.gpu.fatal else {}
         evidence = Evidence(
             node=domain,
@@ -678,7 +882,10 @@ class FleetMonitor:
             extra=gpu,
         )
         d.evidence = evidence
-        await self.ledger.set_cordoned(domain, True, evidence)
+        try:
+            await self.ledger.set_cordoned(domain, True, evidence)
+        except LedgerError as e:  # the cordon stands here; a successor may not know it
+            log.error("cordon of %s not recorded: %s", domain, e)
         log.warning("node %s cordoned: %s", domain, "; ".join(reasons))
         try:
             await self.actuator.cordon(domain, evidence)
@@ -753,6 +960,8 @@ class FleetMonitor:
             self._publish()
 
     def _publish(self, force: bool = False) -> None:
+        if not self._leading:
+            return  # a follower's snapshot is the leader's view (`apply_view`)
         views = {rid: self._view(rep) for rid, rep in self._replicas.items()}
         cordoned = frozenset(d.name for d in self._domains.values() if d.cordoned)
         snap = self._snapshot
@@ -824,6 +1033,14 @@ def _thresholds(cfg: FleetMonitorConfig) -> rules.Thresholds:
     )
 
 
+def _static_load(load: EngineLoad | None, now: float) -> EngineLoad | None:
+    if load is None:
+        return None
+    return EngineLoad(
+        kv_capacity_tokens=load.kv_capacity_tokens, kv_block_size=load.kv_block_size, scraped_at=now
+    )
+
+
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("fleet monitor task failed", exc_info=task.exception())
@@ -845,6 +1062,7 @@ def _spec_from(endpoint: Endpoint, model: str, engine: str) -> ReplicaSpec:
         engine,
         pod=endpoint.pod,
         namespace=endpoint.namespace,
+        uid=endpoint.uid,
     )
 
 

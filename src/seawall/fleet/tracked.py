@@ -38,6 +38,10 @@ class ReplicaSpec:
     engine: str = "auto"  # auto | vllm | vllm_legacy | sglang | tgi | llamacpp | openai
     pod: str | None = None
     namespace: str | None = None
+    uid: str | None = None  # the pod's uid (EndpointSlice targetRef): deletes are fenced by it
+    pool: str = "default"  # the group of replicas it fails with (seawall.config.PoolConfig)
+    # At most one deep probe this often (a remote pool's GPUs are someone else's).
+    deep_probe_min_interval_s: float | None = None
 
     @property
     def domain(self) -> str:
@@ -45,7 +49,13 @@ class ReplicaSpec:
 
     def ref(self, model: str = "") -> ReplicaRef:
         return ReplicaRef(
-            self.replica_id, self.url, self.node, model or self.model, self.pod, self.namespace
+            self.replica_id,
+            self.url,
+            self.node,
+            model or self.model,
+            self.pod,
+            self.namespace,
+            self.uid,
         )
 
 

@@ -15,6 +15,15 @@ the levers. Routes:
     POST /admin/nodes/{node}/uncordon
     GET  /status                           the status page (static; it asks for the token)
 
+Several gateway instances, one fleet: the levers act on the fleet, whichever instance
+they are sent to. On a follower, drain, undrain, stop, cordon, uncordon and rollout are
+forwarded to the leader's admin API (its URL comes with the lease), with the caller's
+own Authorization header, and the leader's answer is relayed as it is. With no leader
+reachable the answer is a 503 (`no_fleet_leader`, OpenAI-shaped, with Retry-After). A
+forwarded request is marked (`X-Seawall-Forwarded`) and never forwarded twice: if
+leadership moved meanwhile, the 503 says so. `GET /admin/state` stays local (each
+instance's own in-flight view), with the instance's place in the fleet under `cluster`.
+
 Must not: sit on the request path. It reads the monitor's `describe()`, the in-flight
 ledger and the budget; the history sampler runs every `SAMPLE_S` off the request path.
 Its dependencies are the components it reads and the fleet operations it calls
@@ -28,29 +37,39 @@ import contextlib
 import hmac
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from seawall import clock
 from seawall.auth import hash_key
+from seawall.cluster.roles import ActHere, ForwardTo, NoLeader, OperatorRoute
 from seawall.config import GatewayConfig
-from seawall.errors import ApiError
+from seawall.errors import ApiError, unavailable
 from seawall.fleet.monitor import FleetMonitor
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.queue import AdmissionQueue
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.rollout import FleetOps, Rollout, RolloutOptions
 from seawall.gateway.tenancy import Tenancy
 from seawall.metrics import Metrics
 from seawall.policy.retry_budget import RetryBudget
+from seawall.state.ledger import LedgerError
 
 SAMPLE_S = 2.0
 HISTORY_POINTS = 300  # ten minutes at one point per two seconds
+FORWARDED = "X-Seawall-Forwarded"
+LEADER_HEADER = "X-Seawall-Leader"
+# A forwarded action may be a drain that waits for streams: the leader answers when it
+# is done, up to its drain timeout plus the stop grace. Connecting must be quick.
+FORWARD_CONNECT_S = 2.0
+FORWARD_MARGIN_S = 30.0
 STATIC = Path(__file__).resolve().parent.parent / "ops" / "static"
 
 
@@ -82,9 +101,12 @@ class Admin:
         queue: AdmissionQueue,
         ops: FleetOps,
         admission: AdmissionControl | None = None,
+        pools: PoolRouter | None = None,
         draining: Callable[[], bool],
         api_url: Callable[[], str],
         hedging: bool,
+        route: Callable[[], OperatorRoute] = ActHere,
+        cluster: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.monitor = monitor
@@ -95,10 +117,14 @@ class Admin:
         self.tenancy = tenancy
         self.queue = queue
         self.admission = admission  # adaptive admission's controllers, when that mode is on
+        self.pools = pools  # the pool router (gateway/pools.py)
         self.ops = ops
         self.draining = draining
         self.api_url = api_url
         self.hedging = hedging
+        self.route = route
+        self.cluster = cluster
+        self._forwarder: aiohttp.ClientSession | None = None
         self.history: deque[dict[str, float | None]] = deque(maxlen=HISTORY_POINTS)
         self.recent_ttft_s: list[float] = []  # drained by the sampler
         self._runner: web.AppRunner | None = None
@@ -143,6 +169,7 @@ class Admin:
             r = self.replicas.get(item["id"])
             if r is not None:
                 item["inflight"] = r.counts.requests
+                item["pool"] = r.pool
                 item["gateway"] = {
                     "ttft_ewma_s": r.ttft_ewma_s,
                     "itl_ewma_s": r.itl_ewma_s,
@@ -184,6 +211,19 @@ class Admin:
             "actuator": self.monitor.actuator.name,
             "api_url": self.api_url(),
             "models": self.replicas.models(),
+            "pools": self.pools.describe(now) if self.pools is not None else [],
+            "pool_events": [
+                {
+                    "at_wall": clock.wall() - (now - e.at),
+                    "change": e.change.value,
+                    "model": e.model,
+                    "from": e.from_pool,
+                    "to": e.to_pool,
+                    "reason": e.reason,
+                }
+                for e in (self.pools.history if self.pools is not None else ())
+            ],
+            **({"cluster": self.cluster()} if self.cluster is not None else {}),
         }
 
     async def _sample_loop(self) -> None:
@@ -214,14 +254,85 @@ class Admin:
         app = web.Application(middlewares=[self._auth])
         app.router.add_get("/admin/state", self._get_state)
         app.router.add_get("/admin/history", self._get_history)
-        app.router.add_post("/admin/replicas/{id}/{action:drain|undrain}", self._replica_action)
-        app.router.add_post("/admin/nodes/{node}/{action:cordon|uncordon}", self._node_action)
-        app.router.add_post("/admin/replicas/{id}/stop", self._replica_stop)
-        app.router.add_post("/admin/rollout", self._start_rollout)
-        app.router.add_get("/admin/rollout", self._get_rollout)
+        # The levers act on the fleet: on a follower they go to the leader.
+        fleet = self._on_the_leader
+        app.router.add_post(
+            "/admin/replicas/{id}/{action:drain|undrain}", fleet(self._replica_action)
+        )
+        app.router.add_post(
+            "/admin/nodes/{node}/{action:cordon|uncordon}", fleet(self._node_action)
+        )
+        app.router.add_post("/admin/replicas/{id}/stop", fleet(self._replica_stop))
+        app.router.add_post("/admin/rollout", fleet(self._start_rollout))
+        app.router.add_get("/admin/rollout", fleet(self._get_rollout))
         app.router.add_get("/status", self._status_page)
         app.router.add_get("/", self._status_page)
         return app
+
+    def _on_the_leader(
+        self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """`handler` here when this instance leads (or runs alone), else at the leader."""
+
+        async def routed(request: web.Request) -> web.StreamResponse:
+            route = self.route()
+            match route:
+                case ActHere():
+                    return await handler(request)
+                case ForwardTo():
+                    if request.headers.get(FORWARDED):
+                        return _err(
+                            unavailable(
+                                "This instance no longer leads the fleet (leadership moved "
+                                "while the request was forwarded); try again.",
+                                1.0,
+                                code="no_fleet_leader",
+                            )
+                        )
+                    return await self._forward(request, route)
+                case NoLeader():
+                    return _err(
+                        unavailable(
+                            f"No fleet leader is reachable to carry this out: {route.why}.",
+                            route.retry_after_s,
+                            code="no_fleet_leader",
+                        )
+                    )
+            raise AssertionError(route)  # every OperatorRoute is matched above
+
+        return routed
+
+    async def _forward(self, request: web.Request, to: ForwardTo) -> web.StreamResponse:
+        if self._forwarder is None:
+            self._forwarder = aiohttp.ClientSession(auto_decompress=False)
+        headers = {"Authorization": request.headers.get("Authorization", ""), FORWARDED: "1"}
+        if request.content_type and request.can_read_body:
+            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+        read_s = self.config.drain.timeout_s + FORWARD_MARGIN_S
+        with_query = request.query.get("timeout_s"), request.query.get("grace_s")
+        with contextlib.suppress(TypeError, ValueError):
+            read_s = max(read_s, sum(float(v) for v in with_query if v) + FORWARD_MARGIN_S)
+        timeout = aiohttp.ClientTimeout(total=None, connect=FORWARD_CONNECT_S, sock_read=read_s)
+        try:
+            async with self._forwarder.request(
+                request.method,
+                to.admin_url + request.path_qs,
+                data=await request.read(),
+                headers=headers,
+                timeout=timeout,
+            ) as resp:
+                body = await resp.read()
+                out = {k: v for k, v in resp.headers.items() if k in _RELAYED_HEADERS}
+                out[LEADER_HEADER] = to.leader
+                return web.Response(body=body, status=resp.status, headers=out)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return _err(
+                unavailable(
+                    f"The fleet leader ({to.leader}) did not answer: {type(e).__name__}.",
+                    1.0,
+                    code="no_fleet_leader",
+                )
+            )
 
     async def _get_state(self, request: web.Request) -> web.Response:
         return _json(self.state())
@@ -283,10 +394,13 @@ class Admin:
 
     async def _node_action(self, request: web.Request) -> web.Response:
         node, action = request.match_info["node"], request.match_info["action"]
-        if action == "cordon":
-            await self.monitor.cordon(node, reason="operator")
-        else:
-            await self.monitor.uncordon(node)
+        try:
+            if action == "cordon":
+                await self.monitor.cordon(node, reason="operator")
+            else:
+                await self.monitor.uncordon(node)
+        except LedgerError as e:
+            return _err(unavailable(f"The restart ledger refused the {action}: {e}.", 1.0))
         return _json({"node": node, "action": action, "ok": True})
 
     async def _status_page(self, request: web.Request) -> web.StreamResponse:
@@ -317,6 +431,13 @@ class Admin:
                 await self._sampler
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._forwarder is not None:
+            await self._forwarder.close()
+
+
+_RELAYED_HEADERS = frozenset(
+    {"Content-Type", "Retry-After", "retry-after-ms", "x-should-retry", "Location"}
+)
 
 
 def _counter_total(counter: Any) -> float:

@@ -5,6 +5,7 @@ hands each one only what it uses (the wiring below is the whole dependency graph
 request path):
 
     config ─┬─ InFlight ledger ── ReplicaSet ── FleetMonitor (snapshot, signals)
+            │                                        └─ RoleManager (several instances)
             ├─ RetryBudget, HedgePolicy, H1Upstream(H1Pool)
             ├─ Tenancy(limits backend) · FleetAdmission(AdmissionQueue)
             ├─ admission stack (stack.py) ─┐
@@ -12,6 +13,13 @@ request path):
             └─ Admin (own port, own credential) · ModelCatalog (GET /v1/models)
 
 `shutdown()` is the drain sequence, its order written once with a reason per step.
+
+Several instances, one fleet (`cluster:` in the configuration): the cluster store
+(`_cluster_store`) and the `RoleManager` are wired in `__init__` (the monitor then starts
+as a follower, reads fleet-wide signals and writes the shared ledger), a Kubernetes
+Lease elector in `start()`; the role manager's hooks are the `_cluster_*` methods, the
+only places where leadership changes what this instance does. Without a store the
+instance leads itself and none of this exists.
 
 Must not: hold request-path logic (that is `proxy.py` and the modules it composes) or be
 imported by the components it builds.
@@ -23,8 +31,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import random
-from collections.abc import Awaitable, Callable, Mapping
+import socket
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +46,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from seawall import __version__, clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
 from seawall.auth import hash_key
-from seawall.config import ConfigError, GatewayConfig, ReplicaConfig
+from seawall.cluster.report import ReplicaReport
+from seawall.cluster.roles import ActHere, OperatorRoute, RoleHooks, RoleManager
+from seawall.cluster.store import ClusterStore
+from seawall.config import DEFAULT_POOL, ClusterConfig, ConfigError, GatewayConfig, ReplicaConfig
 from seawall.errors import ApiError
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
+from seawall.fleet.published import PublishedView
+from seawall.fleet.signals import FleetWideSignals, GatewaySignals
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway import telemetry
 from seawall.gateway.admin import Admin
@@ -51,20 +66,27 @@ from seawall.gateway.frontdoor import FrontDoor
 from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.proxy import Proxy
 from seawall.gateway.relay import Relay
-from seawall.gateway.replicas import Replica, ReplicaSet, ReplicaSignals
+from seawall.gateway.replicas import Replica, ReplicaSet, ReplicaSignals, replica_reports
 from seawall.gateway.stack import admission_stack
 from seawall.gateway.tenancy import Tenancy, warn_if_open
 from seawall.gateway.upstream import H1Upstream
 from seawall.metrics import Metrics
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.ledger import failure_domain
+from seawall.policy.outlier import OutlierRule
+from seawall.policy.pools import Change, PoolEvent
 from seawall.policy.retry_budget import RetryBudget
 from seawall.protocol.routes import ROUTES, Route
 from seawall.state.backends import open_limits_backend
+from seawall.state.ledger import Ledger, StoreLedger
 
 log = logging.getLogger("seawall.gateway")
+
+# How often each model's serving pool is stepped besides on fleet snapshots.
+POOL_TICK_S = 0.5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -99,6 +121,42 @@ class Gateway:
         self.ledger = InFlight(on_release=self._slot_released)
         self.replicas = ReplicaSet(self.ledger, rng or random.Random(config.seed))
         self.catalog = ModelCatalog(self.replicas, on_new_card=self._new_model_card)
+        self._specs: dict[str, ReplicaSpec] = {}  # what the monitor watches, per replica
+
+        # Several instances, one fleet: the shared store and the role manager. The
+        # monitor then starts as a follower (the role manager promotes it), reads every
+        # instance's in-flight counts, and keeps the restart ledger in the store.
+        cc = config.cluster
+        self.cluster: RoleManager | None = None
+        self._cluster_store: ClusterStore | None = None
+        signals: GatewaySignals = ReplicaSignals(self.replicas, self.ledger)
+        restart_ledger: Ledger | None = None
+        if cc.enabled:
+            self._cluster_store = store = _cluster_store(cc)
+            self.cluster = RoleManager(
+                instance=cc.instance_id or _default_instance_id(),
+                store=store,
+                elector=None,  # the store's own lease; a Kubernetes Lease is set in start()
+                hooks=RoleHooks(
+                    promote=self._cluster_promote,
+                    demote=self._cluster_demote,
+                    apply_view=self._cluster_apply_view,
+                    export_view=self._cluster_export_view,
+                    replica_reports=self._cluster_reports,
+                    admin_url=self._advertised_admin_url,
+                    hold_view=lambda: self.monitor.hold_view(),
+                ),
+                timing=cc,
+                metrics=m,
+            )
+            signals = FleetWideSignals(signals, self.cluster.peers)
+            restart_ledger = StoreLedger(store, lambda: self._cluster_epoch())
+            # Followers probe nothing: what their own requests show is theirs to judge.
+            self.replicas.outlier_rule = _outlier_rule(cc)
+        else:
+            m.cluster_role.labels("leader").set(1)
+            m.cluster_role.labels("follower").set(0)
+            m.cluster_instances.set(1)
 
         # The fleet monitor, off the request path; routing reads its snapshot.
         if actuator is None and config.fleet.actuator == "local":
@@ -110,9 +168,14 @@ class Gateway:
             config.fleet,
             actuator=actuator,
             metrics=m,
-            signals=ReplicaSignals(self.replicas, self.ledger),
+            signals=signals,
+            ledger=restart_ledger,
+            leading=self.cluster is None,
         )
         self.replicas.snapshot = self.monitor.snapshot
+        if self.cluster is not None:
+            cluster = self.cluster
+            self.monitor.subscribe(lambda snap: cluster.changed())
         # The configured replicas as last applied (a reload compares the file with this).
         self._applied: dict[str, ReplicaConfig] = replica_configs(config)
         for rid, rc in self._applied.items():
@@ -146,7 +209,18 @@ class Gateway:
             lease_ttl_s=config.timeouts.total_s + 60.0,
         )
         self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
-        self.fleet_admission = FleetAdmission(config.admission, self.replicas, m)
+        # Pools: which group of replicas a request may use (gateway/pools.py).
+        self.pools = PoolRouter(
+            config.pools,
+            self.replicas,
+            config.failover.after_s,
+            config.failover.failback_after_s,
+            on_event=self._pool_event,
+        )
+        for name, pc in config.pools.items():
+            m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
+        self.monitor.subscribe(lambda snap: self._observe_pools())
+        self.fleet_admission = FleetAdmission(config.admission, self.replicas, m, self.pools)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
         self.monitor.subscribe(self.fleet_admission.on_snapshot)  # adaptive admission
         warn_if_open(config)
@@ -171,6 +245,8 @@ class Gateway:
             else None,
             fleet_load=self.fleet_load,
             on_ttft=self._observe_ttft,
+            pools=self.pools,
+            pool_retry_after_s=config.failover.retry_after_s,
             bulkheads=Bulkheads(lambda: self.tenancy.tiers),  # the tiers as last reloaded
         )
         relay = Relay(
@@ -213,14 +289,19 @@ class Gateway:
                 tenancy=self.tenancy,
                 queue=self.fleet_admission.queue,
                 admission=self.fleet_admission.control,
+                pools=self.pools,
                 ops=self,
                 draining=lambda: self.draining,
                 api_url=lambda: f"http://{config.listen.host}:{self.port}",
                 hedging=h.enabled,
+                route=self.operator_route,
+                cluster=self.cluster_status,
             )
 
         self.front_door: FrontDoor | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()  # short jobs, e.g. ledger writes
+        self._kube_client: Any = None
         self.port: int | None = None
         self._seed_metrics()
 
@@ -229,6 +310,48 @@ class Gateway:
     def _new_model_card(self, model: str, card: dict[str, Any]) -> None:
         if isinstance(card.get("max_model_len"), int):
             warn_if_context_too_small(self.config, model, card["max_model_len"])
+
+    def _observe_pools(self) -> None:
+        """Step each model's serving pool, and show where each model is served."""
+        now = clock.monotonic()
+        self.pools.observe(now)
+        if self.pools.single:
+            return
+        m = self.metrics
+        for row in self.pools.describe(now):
+            pool = str(row["pool"])
+            served = row["serving"]
+            for model in self.replicas.models():
+                serving = isinstance(served, list) and model in served
+                m.pool_serving.labels(pool, model).set(1 if serving else 0)
+                free, sat = self.replicas.candidates(model, now, pool=pool)
+                m.pool_routable.labels(pool, model).set(len(free) + len(sat))
+
+    def _pool_event(self, event: PoolEvent) -> None:
+        if event.change is Change.failover:
+            self.metrics.pool_failovers.labels(
+                event.model, event.from_pool or "", event.to_pool or ""
+            ).inc()
+        elif event.change is Change.failback:
+            self.metrics.pool_failbacks.labels(
+                event.model, event.from_pool or "", event.to_pool or ""
+            ).inc()
+        if event.change is not Change.first and self.monitor.leading:
+            # The ledger keeps the fleet's pool moves; one writer, the leader.
+            self._spawn_background(self.monitor.ledger.record_pool_event(event))
+
+    def _spawn_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
+    async def _pool_tick(self) -> None:
+        """Hysteresis is about time: the serving pools are stepped on a tick as well as on
+        every new fleet snapshot."""
+        while True:
+            await asyncio.sleep(POOL_TICK_S)
+            self._observe_pools()
 
     def _slot_released(self, replica_id: str) -> None:
         replica = self.replicas.get(replica_id)
@@ -265,37 +388,72 @@ class Gateway:
         api_key: str | None = None,
         engine: str = "auto",
         model_name: str | None = None,
+        pool: str = DEFAULT_POOL,
     ) -> Replica:
         """A replica joins routing and the fleet monitor (config, rollouts, discovery)."""
-        replica = Replica(replica_id, url.rstrip("/"), model, node, api_key, engine, model_name)
+        spec = ReplicaSpec(
+            replica_id,
+            url.rstrip("/"),
+            model or "",
+            node,
+            engine,
+            pool=pool,
+            deep_probe_min_interval_s=self._pool_probe_floor(pool),
+        )
+        return self._add(spec, api_key, model_name)
+
+    def _pool_probe_floor(self, pool: str) -> float | None:
+        cfg = self.config.pools.get(pool)
+        return cfg.deep_probe_min_interval_s if cfg is not None else None
+
+    def _add(
+        self, spec: ReplicaSpec, api_key: str | None = None, model_name: str | None = None
+    ) -> Replica:
+        rid = spec.replica_id
+        replica = Replica(
+            rid, spec.url, spec.model or None, spec.node, api_key, spec.engine, model_name
+        )
+        replica.pool = spec.pool
         self.replicas.add(replica)
         counts = replica.counts
-        self.metrics.inflight.labels(replica_id).set_function(lambda: counts.requests)
-        self.monitor.add_replica(_spec(replica))
+        self.metrics.inflight.labels(rid).set_function(lambda: counts.requests)
+        self.metrics.replica_pool.labels(rid, spec.pool).set(1)
+        self._specs[rid] = spec
+        self.monitor.add_replica(spec)
         return replica
 
     def _add_configured(self, replica_id: str, rc: ReplicaConfig) -> Replica:
         return self.add_replica(
-            replica_id, rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name
+            replica_id, rc.url, rc.model, rc.node, rc.api_key, rc.engine, rc.model_name, rc.pool
         )
 
     def remove_replica(self, replica_id: str) -> None:
-        self.replicas.remove(replica_id)
+        gone = self.replicas.remove(replica_id)
+        if gone is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.replica_pool.remove(replica_id, gone.pool)
+        self._specs.pop(replica_id, None)
         self.monitor.remove_replica(replica_id)
+        if self.fleet_admission.control is not None:
+            self.fleet_admission.control.forget(replica_id)
         with contextlib.suppress(KeyError):
             self.metrics.inflight.remove(replica_id)
 
     def apply_discovered(self, specs: list[ReplicaSpec]) -> None:
         """Make the routed set equal a discovered one (a replica's id is its address)."""
+        self._reconcile(specs)
+
+    def _reconcile(self, specs: list[ReplicaSpec]) -> None:
+        """Make the routed and monitored set equal `specs`: a replica whose spec changed
+        (a pod recreated under its name: a new uid or address) starts afresh."""
         wanted = {spec.replica_id: spec for spec in specs}
-        for r in self.replicas.all():
-            if r.id not in wanted or wanted[r.id].url != r.url:
-                self.remove_replica(r.id)
+        for rid, spec in list(self._specs.items()):
+            if wanted.get(rid) != spec:
+                self.remove_replica(rid)
         for spec in specs:
-            if self.replicas.get(spec.replica_id) is None:
-                self.add_replica(
-                    spec.replica_id, spec.url, spec.model or None, spec.node, engine=spec.engine
-                )
+            if spec.replica_id not in self._specs:
+                rc = self._applied.get(spec.replica_id)  # a configured one keeps its key
+                self._add(spec, rc.api_key if rc else None, rc.model_name if rc else None)
 
     async def drain_replica(
         self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
@@ -307,7 +465,8 @@ class Gateway:
         if replica is None:
             raise KeyError(replica_id)
         self.monitor.drain(replica_id, restart=False)  # out of routing before the next request
-        cut = await self.ledger.wait_zero(replica_id, clock.monotonic() + timeout_s)
+        # Every instance's requests (the monitor's signals are fleet-wide with a cluster).
+        cut = await self.monitor.signals.wait_idle(replica_id, clock.monotonic() + timeout_s)
         if cut:
             log.warning(
                 "drain of %s hit its %.0fs deadline: cutting %d request(s)",
@@ -403,7 +562,8 @@ class Gateway:
 
         async def retire() -> None:
             try:
-                left = await self.ledger.wait_zero(replica_id, deadline)
+                # Every instance's requests (fleet-wide signals with a cluster).
+                left = await self.monitor.signals.wait_idle(replica_id, deadline)
                 if left:
                     log.warning(
                         "reload: %s still has %d request(s) in flight at its drain deadline; "
@@ -497,11 +657,27 @@ class Gateway:
         `?fleet=1` also requires a usable replica (for tools that wait for capacity)."""
         ready = self.replicas.any_ready(clock.monotonic())
         fleet = {"usable_replica": ready, "replicas": len(self.replicas.all())}
+        # With several instances, this one's place in the fleet, fail-static included:
+        # detail only. An instance on its last view still answers, so it stays ready.
+        more = {"cluster": self.cluster_status()} if self.cluster is not None else {}
         if self.draining:
-            return _json(503, {"status": "draining", "fleet": fleet})
+            return _json(503, {"status": "draining", "fleet": fleet, **more})
         if request.query.get("fleet") == "1" and not ready:
-            return _json(503, {"status": "no usable replica", "fleet": fleet})
-        return _json(200, {"status": "ready", "fleet": fleet})
+            return _json(503, {"status": "no usable replica", "fleet": fleet, **more})
+        return _json(200, {"status": "ready", "fleet": fleet, **more})
+
+    def cluster_status(self) -> dict[str, Any]:
+        if self.cluster is None:
+            return {"role": "leader", "store": "none", "fail_static": False, "instances": 1}
+        return {"store": self.config.cluster.store, **self.cluster.status().to_json()}
+
+    def operator_route(self) -> OperatorRoute:
+        """Where an operator action sent to this instance's admin API is carried out."""
+        return ActHere() if self.cluster is None else self.cluster.operator_route()
+
+    def instance_count(self) -> int:
+        """Live gateway instances in the fleet (budgets are sized as the fleet's / N)."""
+        return 1 if self.cluster is None else self.cluster.instance_count()
 
     async def _health(self, request: web.Request) -> web.Response:
         # vllm-router's answer (production-stack: {"status": "healthy"}); vLLM's own is
@@ -585,18 +761,12 @@ class Gateway:
 
             self.monitor.actuator = await KubernetesActuator.from_environment()
         await self.monitor.start()
-        discovery = self.monitor.config.discovery
-        if discovery is not None:
-            from seawall.fleet.discovery import build_discovery
-
-            self.monitor.start_discovery(
-                build_discovery(discovery),
-                discovery.interval_s,
-                discovery.model or "",
-                discovery.engine,
-                apply=self.apply_discovered,
-            )
+        if self.cluster is None:
+            await self._start_discovery()  # with a cluster, the leader alone discovers
         self._tasks.append(asyncio.create_task(self.catalog.run(self.session)))
+        if not self.pools.single:
+            self._observe_pools()
+            self._tasks.append(asyncio.create_task(self._pool_tick()))
         if not self._metrics_public() and not self._metrics_credentials():
             log.warning(
                 "tenants are configured, so /metrics needs a credential, and none is set: "
@@ -618,7 +788,79 @@ class Gateway:
         self.port = self.front_door.port
         if self.admin is not None:
             await self.admin.start()
+        if self.cluster is not None:
+            # Last: other instances reach this one at the admin URL it advertises.
+            cc = self.config.cluster
+            if cc.election == "kubernetes":
+                from seawall.cluster.kube import KubernetesLeaseElector, kube_api_client
+
+                self.cluster.elector = KubernetesLeaseElector(
+                    await kube_api_client(), cc.lease_name, cc.lease_namespace
+                )
+            await self.cluster.start()
         return self.port
+
+    async def _start_discovery(self) -> None:
+        discovery = self.monitor.config.discovery
+        if discovery is None:
+            return
+        from seawall.fleet.discovery import build_discovery
+
+        api_client = None
+        if discovery.mode == "endpointslices":
+            if self._kube_client is None:
+                from seawall.cluster.kube import kube_api_client
+
+                self._kube_client = await kube_api_client()
+            api_client = self._kube_client
+        self.monitor.start_discovery(
+            build_discovery(discovery, api_client),
+            discovery.interval_s,
+            discovery.model or "",
+            discovery.engine,
+            apply=self.apply_discovered,
+        )
+
+    # -- the cluster's hooks (see the module docstring) ---------------------------------
+
+    async def _cluster_promote(self) -> None:
+        self.replicas.outlier_rule = None  # the leader's own probes judge the replicas
+        await self.monitor.lead()
+        await self._start_discovery()
+
+    async def _cluster_demote(self) -> None:
+        self.monitor.follow()
+        self.replicas.outlier_rule = _outlier_rule(self.config.cluster)
+
+    def _cluster_apply_view(self, view: PublishedView) -> None:
+        self._reconcile([p.spec for p in view.replicas])
+        for p in view.replicas:
+            r = self.replicas.get(p.spec.replica_id)
+            if r is not None and r.model is None and p.view.model:
+                r.model = p.view.model  # learnt by the leader; our catalog may be later
+        self.monitor.apply_view(view)
+
+    def _cluster_export_view(
+        self, leader: str, epoch: int, seq: int, wall: float, quotas: Mapping[str, Any]
+    ) -> PublishedView:
+        return self.monitor.export_view(leader, epoch, seq, wall, dict(quotas))
+
+    def _cluster_reports(self) -> dict[str, ReplicaReport]:
+        return replica_reports(self.replicas)
+
+    def _cluster_epoch(self) -> int:
+        return self.cluster.epoch if self.cluster is not None else 0
+
+    def _advertised_admin_url(self) -> str:
+        cc, admin = self.config.cluster, self.config.admin
+        if cc.advertise_admin_url:
+            return cc.advertise_admin_url.rstrip("/")
+        if self.admin is None or self.admin.port is None:
+            return ""
+        host = admin.host
+        if host in ("0.0.0.0", "::", ""):
+            host = os.environ.get("POD_IP") or socket.gethostname()
+        return f"http://{host}:{self.admin.port}"
 
     async def shutdown(self, timeout_s: float | None = None) -> int:
         """The drain sequence. Returns how many requests its deadline cut."""
@@ -656,9 +898,17 @@ class Gateway:
             await self.front_door.close()  # the listener: no new connections, then closed
         if self.admin is not None:
             await self.admin.close()
+        if self.cluster is not None:
+            await self.cluster.stop()  # hands the lease over before the monitor stops
         await self.monitor.stop()
         await self.monitor.actuator.close()
         await self.tenancy.close()
+        if self._cluster_store is not None:
+            await self._cluster_store.close()
+        if self.cluster is not None and self.cluster.elector is not self.cluster.store:
+            await self.cluster.elector.close()
+        if self._kube_client is not None:
+            await self._kube_client.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is still batched
         self.upstream.close()
@@ -666,8 +916,28 @@ class Gateway:
             await self._session.close()
 
 
-def _spec(r: Replica) -> ReplicaSpec:
-    return ReplicaSpec(r.id, r.url, r.model or "", r.node, r.engine)
+def _cluster_store(cc: ClusterConfig) -> ClusterStore:
+    """The configured cluster store; constructing it does no I/O."""
+    if cc.store == "redis":
+        from seawall.cluster.redis_store import RedisStore
+
+        return RedisStore(cc.redis_url, cc.key_prefix, socket_timeout_s=cc.store_timeout_s)
+    from seawall.cluster.local import LocalStoreClient
+
+    return LocalStoreClient(cc.local_socket, timeout_s=cc.store_timeout_s)
+
+
+def _outlier_rule(cc: ClusterConfig) -> OutlierRule:
+    return OutlierRule(
+        consecutive_failures=cc.outlier_consecutive_failures,
+        ejection_s=cc.outlier_ejection_s,
+        max_ejection_s=cc.outlier_max_ejection_s,
+        max_ejected_fraction=cc.outlier_max_ejected_fraction,
+    )
+
+
+def _default_instance_id() -> str:
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 def replica_configs(config: GatewayConfig) -> dict[str, ReplicaConfig]:
@@ -717,3 +987,8 @@ class ReloadReport:
 
     def __str__(self) -> str:
         return f"tenants {self.tenants}; tiers {self.tiers}; replicas {self.replicas}"
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed: %r", task.exception())

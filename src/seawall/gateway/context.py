@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from seawall.config import DEFAULT_TIER, Timeouts
 from seawall.gateway.frontdoor import safe_request_id
+from seawall.policy.pools import TierPools
 from seawall.protocol.openai import ParsedRequest, Route
+
+_ANY_POOL = TierPools()
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Hold, Ticket
@@ -64,6 +67,8 @@ class RequestCtx:
     tenant: str = "default"
     tier: str = DEFAULT_TIER
     priority: int = 0  # the tier's: 0 is served first under contention
+    pools: TierPools = _ANY_POOL  # the tier's use of pools (gateway/pools.py)
+    pool_refused: str | None = None  # the pool that had nothing and would not pass it on
     status: int = 0
     replica: str = ""
     attempts: int = 0

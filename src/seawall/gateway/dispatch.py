@@ -23,13 +23,14 @@ import orjson
 
 from seawall import clock
 from seawall.config import RetryConfig
-from seawall.errors import ApiError
+from seawall.errors import ApiError, unavailable
 from seawall.gateway import aliases
 from seawall.gateway.bulkhead import Bulkheads
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
 from seawall.metrics import Metrics
@@ -62,9 +63,14 @@ class Dispatcher:
         hedge: HedgePolicy | None = None,
         fleet_load: Callable[[], float] = lambda: 1.0,
         on_ttft: Callable[[float], None] | None = None,
+        pools: PoolRouter | None = None,
+        pool_retry_after_s: float = 10.0,
         bulkheads: Bulkheads | None = None,
     ) -> None:
         self.replicas = replicas
+        # Which pools a request may use, in which order (gateway/pools.py); None: one pool.
+        self.pools = pools
+        self.pool_retry_after_s = pool_retry_after_s
         self.ledger = ledger
         self.upstream = upstream
         self.budget = budget
@@ -114,7 +120,15 @@ class Dispatcher:
     def choose(
         self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
     ) -> Replica | None:
-        free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
+        if self.pools is None:
+            free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
+        else:
+            reach = self.pools.reach(ctx.model, ctx.pools, now, tried, ctx.reserve_tokens)
+            if reach.refused_by is not None:
+                ctx.pool_refused = reach.refused_by
+            free, saturated = reach.free, reach.saturated
+        # Within what the serving pools allow: grammar-constrained requests and plain
+        # ones kept apart (bulkhead.py).
         bulkhead = self.bulkheads.current() if self.bulkheads is not None else None
         if bulkhead is not None and ctx.req is not None:
             constrained = bool(ctx.req.constraints)
@@ -147,7 +161,17 @@ class Dispatcher:
             engine = self.replicas.view(replica, self.replicas.snapshot()).engine
             counted, strip = counting_request(body, engine or replica.engine)
             body = encode_body(counted)
-        first_token_s = ctx.timeouts.ttft_s if ttft_s is None else min(ttft_s, ctx.timeouts.ttft_s)
+        # A remote pool has its own first-token budget (a WAN hop, another gateway's queue).
+        pool = self.pools.timeouts(replica.pool) if self.pools is not None else None
+        base_ttft_s = ctx.timeouts.ttft_s
+        if pool is not None and pool.timeouts is not None and pool.timeouts.ttft_s is not None:
+            base_ttft_s = pool.timeouts.ttft_s
+        first_token_s = base_ttft_s if ttft_s is None else min(ttft_s, base_ttft_s)
+        if self.pools is not None and not self.pools.allows(replica.pool, clock.monotonic()):
+            # The pool's breaker let another request take its one trial meanwhile.
+            raise AttemptFailed(
+                Failure(Attempt.connect_error, f"the circuit to pool {replica.pool} is open")
+            )
         wait = first_token_wait(clock.monotonic(), ctx.deadline, first_token_s, req.stream)
         # With tracing on, the attempt's own span is the replica's parent; otherwise the
         # client's trace context goes on as it came (telemetry.py).
@@ -174,6 +198,8 @@ class Dispatcher:
         except AttemptFailed as f:
             hold.release()
             self._attempt_failed(replica, f.failure)
+            if self.pools is not None and ATTEMPT_RULES[f.outcome].replica_fault:
+                self.pools.record(replica.pool, False, clock.monotonic())
             if span is not None:
                 span.end(f.outcome.value, failed=ATTEMPT_RULES[f.outcome].replica_fault)
             raise
@@ -186,6 +212,8 @@ class Dispatcher:
             raise
         opened.hold = hold
         opened.strip = strip
+        if self.pools is not None:
+            self.pools.record(replica.pool, True, clock.monotonic())
         if served is not None:
             aliases.restamp(opened, served, ctx.model)
         self._attempt_ok(ctx, opened)
@@ -234,6 +262,13 @@ class Dispatcher:
     ) -> ApiError:
         if last is not None:
             ctx.error = last.message
+        if last is None and ctx.pool_refused is not None:
+            return unavailable(
+                f"Pool `{ctx.pool_refused}` has no replica of `{ctx.model}` that can take "
+                "requests now, and this tier may not be sent to another pool.",
+                retry_after_s=self.pool_retry_after_s,
+                code="pool_unavailable",
+            )
         return client_error(
             ctx.model,
             ctx.attempts,

@@ -26,6 +26,7 @@ from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
+from seawall.gateway.pools import PoolRouter
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.metrics import Metrics
@@ -40,10 +41,17 @@ from seawall.policy.admission import (
 
 
 class FleetAdmission:
-    def __init__(self, config: AdmissionConfig, replicas: ReplicaSet, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        replicas: ReplicaSet,
+        metrics: Metrics,
+        pools: PoolRouter | None = None,
+    ) -> None:
         self.config = config
         self.replicas = replicas
         self.metrics = metrics
+        self.pools = pools  # None: one pool
         self.thresholds = config.thresholds()
         self.thresholds_reserving = dataclasses.replace(self.thresholds, kv_usage_max=1.0)
         self.queue = AdmissionQueue(
@@ -82,7 +90,7 @@ class FleetAdmission:
         need = ctx.reserve_tokens
         queue = self.queue
         now = clock.monotonic()
-        free, saturated = self.replicas.candidates(model, now, need_tokens=need)
+        free, saturated = self._reach(ctx, now)
         if not free and not saturated:
             return  # nothing usable at all: the dispatcher answers 503
         if free and not queue.better_waiting(model, ctx.priority):
@@ -119,7 +127,7 @@ class FleetAdmission:
         deadline = now + min(cfg.queue_timeout_s, ctx.deadline - now)
 
         def room() -> bool:
-            free, _ = self.replicas.candidates(model, clock.monotonic(), need_tokens=need)
+            free, _ = self._reach(ctx, clock.monotonic())
             return bool(free)
 
         ctx.stage = "queued"
@@ -142,6 +150,13 @@ class FleetAdmission:
                 max(1.0, cfg.queue_timeout_s),
                 code="queue_timeout",
             )
+
+    def _reach(self, ctx: RequestCtx, now: float) -> tuple[list[Replica], list[Replica]]:
+        """The replicas this request may use: its pools, as its tier allows (pools.py)."""
+        if self.pools is None:
+            return self.replicas.candidates(ctx.model, now, need_tokens=ctx.reserve_tokens)
+        reach = self.pools.reach(ctx.model, ctx.pools, now, need_tokens=ctx.reserve_tokens)
+        return reach.free, reach.saturated
 
     def shed(self, ctx: RequestCtx, reason: str) -> None:
         self.metrics.record_shed(ctx.tenant, ctx.tier, reason, clock.monotonic() - ctx.started)

@@ -23,6 +23,7 @@ requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import orjson
@@ -188,6 +189,13 @@ class Relay:
             self.metrics.stream_errors.labels(end.value).inc()
             ctx.error = end.value
             await resp.write(_error_event(ctx, end, watch.events))
+        if end is StreamEnd.done:
+            # The client has the whole answer, `[DONE]` included; SDKs close the
+            # connection as soon as they read it, so the terminating chunk may find it
+            # gone. That is a complete stream, not a client that left.
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write_eof()
+            return
         await resp.write_eof()
 
     async def _pump(

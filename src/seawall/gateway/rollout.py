@@ -57,6 +57,7 @@ class FleetOps(Protocol):
         api_key: str | None = ...,
         engine: str = ...,
         model_name: str | None = ...,
+        pool: str = ...,
     ) -> Replica: ...
 
     async def drain_replica(
@@ -180,7 +181,12 @@ class Rollout:
         for old, ref in zip(batch, news, strict=True):
             # The new replica keeps the public name (alias) of the one it replaces.
             self.gw.add_replica(
-                ref.replica_id, ref.url, ref.model or None, ref.node, model_name=old.model_name
+                ref.replica_id,
+                ref.url,
+                ref.model or None,
+                ref.node,
+                model_name=old.model_name,
+                pool=old.pool,
             )
         await self._wait_routable([ref.replica_id for ref in news])
         for old, new in zip(batch, news, strict=True):

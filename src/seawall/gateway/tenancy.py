@@ -25,6 +25,7 @@ from seawall.errors import ApiError
 from seawall.gateway.context import RequestCtx
 from seawall.metrics import Metrics
 from seawall.policy.limits import Reject, TierLimits, check_request
+from seawall.policy.pools import TierPools
 from seawall.protocol.structured import check_constraints
 from seawall.protocol.tokens import (
     EstimateCounter,
@@ -48,6 +49,7 @@ class Policy:
     tenants: Mapping[str, TenantConfig]
     keys: KeyStore | None  # None: no tenants, the gateway is open
     limits: Mapping[str, TierLimits]
+    pools: Mapping[str, TierPools]  # per tier: its pool order, overflow and failover
 
     @classmethod
     def of(cls, config: GatewayConfig) -> Policy:
@@ -59,7 +61,8 @@ class Policy:
             else None
         )
         limits = {name: tier.limits() for name, tier in config.tiers.items()}
-        return cls(config.tiers, tenants, keys, limits)
+        pools = {name: tier.pools.policy() for name, tier in config.tiers.items()}
+        return cls(config.tiers, tenants, keys, limits, pools)
 
 
 class Tenancy:
@@ -112,6 +115,7 @@ class Tenancy:
             ctx.tier = policy.tenants[who].tier
         tier = policy.tiers[ctx.tier]
         ctx.priority = tier.priority
+        ctx.pools = policy.pools[ctx.tier]
         if tier.timeouts is not None:
             ctx.timeouts = tier.timeouts.apply(ctx.timeouts)
 

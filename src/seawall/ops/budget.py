@@ -480,7 +480,10 @@ def compute_fleet(f: FleetInputs) -> FleetResult:
         held = p.replicas * p.streams_per_replica  # streams in flight in the pool
         pool_rps = held / mean_stream_s  # Little's law, per pool
         # Losses do not overlap: while this pool loses capacity the others are whole.
+        # Overflow goes to active pools only (a passive pool takes traffic by failover);
+        # failover to any (policy/pools.py `may_enter`).
         elsewhere = sum(q.spare_streams for q in f.pools if q is not p)
+        elsewhere_active = sum(q.spare_streams for q in f.pools if q is not p and not q.passive)
         for kind, events, out, each_s, cut_each in _kinds(p, mean_stream_s):
             down_s += events * out * each_s
             m = p.max_streams_per_replica
@@ -492,7 +495,7 @@ def compute_fleet(f: FleetInputs) -> FleetResult:
                 spare_here = math.inf if m is None else left * (m - p.streams_per_replica)
                 excess = 0.0 if m is None else max(0.0, held - left * m)
                 full = excess / held if held else 0.0  # share of arrivals with no room
-                placed = _placed(overflow_inflight * excess, elsewhere)
+                placed = _placed(overflow_inflight * excess, elsewhere_active)
                 for s, w in zip(shares, f.workloads, strict=True):
                     stays = (1.0 - placed) if w.overflow else 1.0
                     refused_each.append(pool_rps * s * full * each_s * stays)

@@ -135,6 +135,25 @@ def _live_fleet(state: State) -> str:
     hedging = _get(state, "hedging", "enabled")
     if hedging is not None:
         parts.append(f"hedging {'on' if hedging else 'off'}")
+    pools = _get(state, "pools", default=[]) or []
+    if len(pools) > 1:
+        shown = []
+        for p in pools:
+            serving = p.get("serving") or []
+            tag = f" serving {', '.join(serving)}" if serving else ""
+            circuit = p.get("circuit")
+            tag += f", circuit {circuit}" if circuit and circuit != "closed" else ""
+            shown.append(
+                f"{p.get('pool')} ({p.get('mode')}, {p.get('routable')}/{p.get('replicas')}"
+                f" routable{tag})"
+            )
+        parts.append("pools: " + "; ".join(shown))
+        moves = [
+            e for e in _get(state, "pool_events", default=[]) or [] if e.get("change") != "first"
+        ]
+        if moves:
+            last = moves[-1]
+            parts.append(f"last move: {last.get('change')} {last.get('from')} -> {last.get('to')}")
     return ", ".join(parts)
 
 
@@ -203,13 +222,24 @@ DOMAINS: tuple[Domain, ...] = (
     Domain(
         "fleet",
         "fleet or region loss",
-        "many replicas fail together; a zone goes away",
+        "many replicas fail together; a zone or a region goes away",
         (
+            "pools: a request overflows to the next pool when its pool is saturated and "
+            "fails over when it has no routable replica, as its tier allows; the serving "
+            "pool moves (failover, failback) with hysteresis; a standby region is passive",
+            "a remote pool has its own timeouts, a circuit breaker and a deep-probe floor",
             "the retry budget caps retries so failures do not multiply load",
             "shedding keeps the survivors serving rather than all timing out",
             "drain on shutdown finishes in-flight streams",
         ),
-        (m.RETRY_BUDGET, m.RETRY_BUDGET_EXHAUSTED, m.REPLICA_READY, m.DRAINING),
+        (
+            m.RETRY_BUDGET,
+            m.RETRY_BUDGET_EXHAUSTED,
+            m.REPLICA_READY,
+            m.DRAINING,
+            m.POOL_SERVING,
+            m.POOL_FAILOVERS,
+        ),
         _live_fleet,
     ),
 )

@@ -33,15 +33,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from seawall import clock
 from seawall.loadgen import RequestResult, run_load, summarise
-from seawall.metrics import REQUESTS, SHED, UPSTREAM_ATTEMPTS
+from seawall.metrics import REQUESTS, RETRIES, SHED, UPSTREAM_ATTEMPTS
 
-Scenario = Literal["crash-mid-stream", "hang", "preemption-storm", "overload", "rolling-restart"]
+Scenario = Literal[
+    "crash-mid-stream", "hang", "preemption-storm", "overload", "rolling-restart", "pool-loss"
+]
 SCENARIOS: tuple[Scenario, ...] = (
     "crash-mid-stream",
     "hang",
     "preemption-storm",
     "overload",
     "rolling-restart",
+    "pool-loss",
 )
 
 EXIT_OK = 0
@@ -70,6 +73,10 @@ ROLLOUT_MISSING = (
     "gateway; nothing was restarted"
 )
 CRASH_AFTER_TOKENS = 8  # tokens generated after the fault is armed: streams have begun
+# pool-loss: the pool's engines die (their /health answers 503, requests 500) for this
+# share of the time between injection and the end of the load, then come back, so the
+# drill sees the failover and, if the failback hold fits, the failback.
+POOL_LOSS_SHARE = 0.4
 
 
 class DrillError(Exception):
@@ -123,6 +130,13 @@ class DrillReport:
     # in force (before the drill cleared it): each one sends users to a broken engine.
     readmitted: int = 0
     rollout: dict[str, Any] | None = None  # rolling-restart: the gateway's own report
+    # pool-loss: how long until the model's traffic moved to another pool, and back after
+    # the pool returned; requests that failed before their first token; retries.
+    pool: str | None = None
+    failover_s: float | None = None
+    failback_s: float | None = None
+    failed_before_first_token: int = 0
+    retries: float = 0.0
     cleared: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -137,6 +151,16 @@ class Sample:
     t: float  # monotonic
     replicas: dict[str, dict[str, Any]]
     target_health: int | None  # status of the target's /health; 0: no answer
+    serving: dict[str, str] = field(default_factory=dict)  # model -> its serving pool
+
+
+def serving_pools(state: dict[str, Any]) -> dict[str, str]:
+    """model -> the pool serving it, from the admin state's `pools`."""
+    out: dict[str, str] = {}
+    for p in state.get("pools") or ():
+        for model in p.get("serving") or ():
+            out[str(model)] = str(p.get("pool"))
+    return out
 
 
 def phase_figures(results: list[RequestResult]) -> PhaseFigures:
@@ -147,7 +171,7 @@ def phase_figures(results: list[RequestResult]) -> PhaseFigures:
 
 def metric_totals(text: str) -> dict[str, float]:
     """Sums of the counter families the report needs, from a gateway's /metrics."""
-    wanted = {REQUESTS, SHED, UPSTREAM_ATTEMPTS}
+    wanted = {REQUESTS, SHED, UPSTREAM_ATTEMPTS, RETRIES}
     out = dict.fromkeys(wanted, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -242,6 +266,8 @@ class Drill:
         self.health_url: str | None = None  # the faulted replica, watched from injection
         self.burst: list[RequestResult] = []  # the extra load of overload and storm
         self.notes: list[str] = []
+        self._state_at_start: dict[str, Any] = {}  # pool-loss: the pool's replicas
+        self._pool_back_at: float | None = None  # pool-loss: when its engines came back
 
     # -- HTTP -------------------------------------------------------------------------
 
@@ -312,6 +338,16 @@ class Drill:
             if status not in (200, 404):
                 raise DrillError(f"GET /admin/rollout answered {status}: {_error_message(body)}")
             return
+        if self.scenario == "pool-loss":
+            pools = [p for p in state.get("pools") or () if p.get("replicas")]
+            if len(pools) < 2:
+                raise DrillError(
+                    "pool-loss needs two pools or more (gateway `pools:`): with one, losing it "
+                    "is an outage to measure with a fleet, not a failover to drill"
+                )
+            for replica in self._pool_replicas(state, str(target["id"])):
+                await self._takes_faults(session, replica)
+            return
         if self.scenario in ("crash-mid-stream", "hang"):
             # Without --target the fault goes to the busiest replica at injection time,
             # so every candidate must take faults.
@@ -325,19 +361,24 @@ class Drill:
                 ]
             )
             for replica in candidates:
-                url = replica["url"]
-                try:
-                    async with session.get(f"{url}/sim/state") as r:
-                        status = r.status
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    raise DrillError(
-                        f"cannot reach replica {replica['id']} at {url}: {e}"
-                    ) from None
-                if status != 200:
-                    raise DrillError(
-                        f"replica {replica['id']} ({url}) takes no faults: this drill needs "
-                        "`seawall sim --enable-faults` replicas"
-                    )
+                await self._takes_faults(session, replica)
+
+    async def _takes_faults(self, session: aiohttp.ClientSession, replica: dict[str, Any]) -> None:
+        url = replica["url"]
+        try:
+            async with session.get(f"{url}/sim/state") as r:
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise DrillError(f"cannot reach replica {replica['id']} at {url}: {e}") from None
+        if status != 200:
+            raise DrillError(
+                f"replica {replica['id']} ({url}) takes no faults: this drill needs "
+                "`seawall sim --enable-faults` replicas"
+            )
+
+    @staticmethod
+    def _pool_replicas(state: dict[str, Any], pool: str) -> list[dict[str, Any]]:
+        return [r for r in state.get("replicas") or () if r.get("pool") == pool]
 
     async def _run(self, session: aiohttp.ClientSession) -> DrillReport:
         started = clock.monotonic()
@@ -346,7 +387,10 @@ class Drill:
         api_url = str(state.get("api_url") or "").rstrip("/")
         if not api_url:
             raise DrillError("the admin API does not say where the OpenAI API listens (api_url)")
-        target = pick_target(state, self.wanted_target)
+        if self.scenario == "pool-loss":
+            target = self._pool_target(state)
+        else:
+            target = pick_target(state, self.wanted_target)
         model = str(target.get("model") or "")
         await self._preflight(session, state, target)
         fleet_wide = self.scenario in ("preemption-storm", "overload", "rolling-restart")
@@ -394,6 +438,9 @@ class Drill:
             inject_at = clock.monotonic()
             fault, extra = await self._inject(session, api_url, model, target, deadline)
             self.log(f"injected {self.scenario} at +{inject_at - started:.1f} s")
+            if self.scenario == "pool-loss":
+                back_at = inject_at + POOL_LOSS_SHARE * (started + load_s - inject_at)
+                extra = asyncio.create_task(self._pool_returns(session, state, target, back_at))
             if self.scenario == "hang":
                 health_during = await self._health(session, target["url"])
             await _sleep_until(deadline, load)
@@ -410,10 +457,13 @@ class Drill:
             # Cleared even when the drill failed: a drill must not leave a fault behind.
             faulted = fault is not None and self.scenario in ("crash-mid-stream", "hang")
             cleared = await self._clear(session, target) if faulted else False
+            if self.scenario == "pool-loss" and fault is not None:
+                cleared = await self._clear_pool(session, state, target)
         for task in loads:
             failure = None if task.cancelled() else task.exception()
             if failure is not None:
                 raise DrillError(f"the load generator failed: {failure!r}")
+        pool_figures = self._pool_figures(model, target, inject_at, results)
         end = clock.monotonic()
         metrics_after = await self._metrics(session, api_url)
         final = await self._get_json(session, "/admin/state")
@@ -422,11 +472,15 @@ class Drill:
         # phase in which it ended; a stream cut by a crash started in the baseline.
         before = [r for r in results if r.started_at + r.total_s < inject_at]
         during = [r for r in results if r.started_at + r.total_s >= inject_at]
-        detection_s, detected_as = (
-            (None, None)  # a rollout is announced, not detected
-            if self.scenario == "rolling-restart"
-            else self._detection(before_replicas, None if fleet_wide else target["id"], inject_at)
-        )
+        if self.scenario == "rolling-restart":
+            detection_s, detected_as = None, None  # a rollout is announced, not detected
+        elif self.scenario == "pool-loss":
+            detection_s = pool_figures["failover_s"]
+            detected_as = f"{model} served from another pool" if detection_s is not None else None
+        else:
+            detection_s, detected_as = self._detection(
+                before_replicas, None if fleet_wide else target["id"], inject_at
+            )
         inflight_at_fault = self._inflight_at_crash(target["id"], inject_at)
         readmitted = self._readmitted(target["id"], inject_at) if faulted else 0
         if readmitted:
@@ -470,6 +524,13 @@ class Drill:
             health_during_fault=health_during,
             readmitted=readmitted,
             rollout=self.rollout,
+            pool=str(target["id"]) if self.scenario == "pool-loss" else None,
+            failover_s=pool_figures["failover_s"],
+            failback_s=pool_figures["failback_s"],
+            failed_before_first_token=sum(
+                1 for r in all_results if r.outcome == "failed" and r.ttft_s is None
+            ),
+            retries=metrics_after[RETRIES] - metrics_before[RETRIES],
             cleared=cleared,
             notes=self.notes,
         )
@@ -524,6 +585,14 @@ class Drill:
                     )
                 )
                 return None, extra
+            case "pool-loss":
+                # The pool's engines die together: /health answers 503 and every request a
+                # 500, the processes stay up (the drill never restarts one) until cleared.
+                fault = {"kind": "engine_dead", "grace_s": 24 * 3600}
+                for replica in self._pool_replicas(self._state_at_start, str(target["id"])):
+                    if not await self._post_fault(session, replica["url"], fault):
+                        raise DrillError(f"replica {replica['id']} did not answer the fault")
+                return fault, None
             case "rolling-restart":
                 options = dict(self.rollout_options)
                 status, body = await self._admin_call(session, "POST", "/admin/rollout", options)
@@ -594,7 +663,8 @@ class Drill:
             health = await self._health(session, url) if url is not None else None
             with contextlib.suppress(DrillError):
                 state = await self._get_json(session, "/admin/state")
-                self.samples.append(Sample(t, {r["id"]: r for r in state["replicas"]}, health))
+                replicas = {r["id"]: r for r in state["replicas"]}
+                self.samples.append(Sample(t, replicas, health, serving_pools(state)))
             await asyncio.sleep(max(0.0, WATCH_INTERVAL_S - (clock.monotonic() - t)))
 
     def _detection(
@@ -639,6 +709,72 @@ class Drill:
             if replica is not None:
                 last = int(replica.get("inflight") or 0)
         return None
+
+    def _pool_target(self, state: dict[str, Any]) -> dict[str, Any]:
+        """pool-loss: the pool serving the drill's model (or --target, a pool's name)."""
+        self._state_at_start = state
+        replicas = [r for r in state.get("replicas") or () if r.get("routable")]
+        if not replicas:
+            raise DrillError("no replica is routable now: a drill needs a healthy fleet to start")
+        model = str(sorted(replicas, key=lambda r: str(r["id"]))[0].get("model") or "")
+        pool = self.wanted_target or serving_pools(state).get(model)
+        if pool is None or not self._pool_replicas(state, pool):
+            known = sorted(str(p.get("pool")) for p in state.get("pools") or ())
+            raise DrillError(f"no pool {pool!r} with replicas to take down (pools: {known})")
+        return {"id": pool, "model": model, "url": None}
+
+    async def _pool_returns(
+        self,
+        session: aiohttp.ClientSession,
+        state: dict[str, Any],
+        target: dict[str, Any],
+        at: float,
+    ) -> None:
+        """Bring the pool's engines back at `at`, so the failback can be seen."""
+        await asyncio.sleep(max(0.0, at - clock.monotonic()))
+        self._pool_back_at = clock.monotonic()
+        await self._clear_pool(session, state, target)
+        self.log(f"pool {target['id']} back")
+
+    async def _clear_pool(
+        self, session: aiohttp.ClientSession, state: dict[str, Any], target: dict[str, Any]
+    ) -> bool:
+        cleared = True
+        for replica in self._pool_replicas(state, str(target["id"])):
+            if not await self._post_fault(session, replica["url"], {"kind": "clear"}):
+                cleared = False
+                self.notes.append(f"could not clear the fault on {replica['id']}")
+        return cleared
+
+    def _pool_figures(
+        self, model: str, target: dict[str, Any], inject_at: float, results: list[RequestResult]
+    ) -> dict[str, float | None]:
+        """pool-loss: when the model left the pool, and when it came back."""
+        out: dict[str, float | None] = {"failover_s": None, "failback_s": None}
+        if self.scenario != "pool-loss":
+            return out
+        pool = str(target["id"])
+        moved_at: float | None = None
+        for sample in self.samples:
+            if sample.t < inject_at:
+                continue
+            where = sample.serving.get(model)
+            if moved_at is None and where is not None and where != pool:
+                moved_at = sample.t
+                out["failover_s"] = sample.t - inject_at
+            back = self._pool_back_at
+            if moved_at is not None and back is not None and sample.t >= back and where == pool:
+                out["failback_s"] = sample.t - back
+                break
+        if out["failover_s"] is None:
+            self.notes.append(f"the admin API never showed {model} leave pool {pool}")
+        elif out["failback_s"] is None:
+            self.notes.append(
+                f"{model} had not failed back to {pool} when the drill ended: the failback "
+                "hold (gateway `failover.failback_after_s`) is longer than the rest of the "
+                "drill; run it with a longer --duration"
+            )
+        return out
 
     async def _clear(self, session: aiohttp.ClientSession, target: dict[str, Any]) -> bool:
         cleared = await self._post_fault(session, target["url"], {"kind": "clear"})

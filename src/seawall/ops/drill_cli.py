@@ -80,6 +80,13 @@ def render(report: DrillReport, console: Console) -> None:
             "ready replicas before / min during",
             f"{ro.get('ready_before', '-')} / {ro.get('ready_min_during', '-')}",
         )
+    elif report.scenario == "pool-loss":
+        t.add_row("pool taken down", str(report.pool))
+        t.add_row("time to fail over", detection)
+        failback = "not seen" if report.failback_s is None else f"{report.failback_s:.2f} s"
+        t.add_row("time to fail back (after the pool returned)", failback)
+        t.add_row("failed before a first token", str(report.failed_before_first_token))
+        t.add_row("retried on another replica", f"{report.retries:g}")
     elif report.scenario != "rolling-restart":
         why = f" ({report.detected_as})" if report.detected_as else ""
         t.add_row("detection time", detection + why)

@@ -13,14 +13,19 @@ Two decisions, on two time scales:
    first pool in priority order that is healthy (has a routable replica). Leaving it is a
    *failover*, taken only when it has had no routable replica for `failover_after_s`:
    one bad probe takes a replica out of routing for a second, and that must not move a
-   region's traffic across a WAN. Coming back to a better pool is a *failback*, taken
-   only when that pool has stayed healthy for `failback_after_s` without a break, so
-   that a pool that flaps does not take traffic back and forth. Both are events.
-2. Where one request may go (`route_order`, `may_leave`), at once. The serving pool
-   first, then the tier's other pools in its order: to *overflow* (the pool is
-   saturated: admission would shed) if the tier allows it, and to *fail over* (the pool
-   has no routable replica at this moment, before the selector has moved) if the tier
-   allows it. A request must not fail for want of hysteresis. A tier that may not leave
+   region's traffic across a WAN. Coming back to a better pool after a failover is a
+   *failback*, taken only when that pool has stayed healthy for `failback_after_s`
+   without a break, so that a pool that flaps does not take traffic back and forth. Both
+   are events. Before any failover (a fleet starting, its pools coming up in any order)
+   the serving pool moves up to a better pool as soon as that pool is healthy: there is
+   nothing to fail back from.
+2. Where one request may go (`route_order`, `may_leave`, `may_enter`), at once. The
+   serving pool first, then the tier's other pools in its order: to *overflow* (the
+   pool is saturated: admission would shed) if the tier allows it, into active pools
+   only (a passive pool takes no traffic while the pool before it is healthy, and a
+   saturated pool is healthy); and to *fail over* (the pool has no routable replica at
+   this moment, before the selector has moved) if the tier allows it, into any pool. A
+   request must not fail for want of hysteresis. A tier that may not leave
    its first pool is shed (429) when that pool is saturated and refused (503) when it
    has no routable replica; its first pool stays its own even after the fleet failed
    over (a free tier may be shed rather than sent across regions).
@@ -88,6 +93,7 @@ class SelectorState:
     serving: str | None = None
     healthy_since: Mapping[str, float | None] = field(default_factory=dict)
     unhealthy_since: Mapping[str, float | None] = field(default_factory=dict)
+    failed_over: bool = False  # the serving pool was reached by a failover
 
 
 def ordered(pools: Sequence[PoolSpec]) -> tuple[PoolSpec, ...]:
@@ -119,6 +125,7 @@ def step(
         )
     events: list[PoolEvent] = []
     serving = state.serving if state.serving in names else None
+    failed_over = state.failed_over and serving is not None
     if serving is None:
         first = next(
             (n for n in names if healthy_since[n] is not None), names[0] if names else None
@@ -142,32 +149,36 @@ def step(
                         f"{serving} had no routable replica for {now - down_since:.1f} s",
                     )
                 )
-                serving = to
-        # Failback: a better pool has been up long enough.
+                serving, failed_over = to, True
+        # Back to a better pool: after a failover, once it has been up long enough;
+        # before any (the fleet coming up), as soon as it is up.
+        hold = failback_after_s if failed_over else 0.0
         better = names[: names.index(serving)] if serving in names else []
         back = next(
-            (
-                n
-                for n in better
-                if (since := healthy_since[n]) is not None and now - since >= failback_after_s
-            ),
+            (n for n in better if (since := healthy_since[n]) is not None and now - since >= hold),
             None,
         )
         if back is not None:
             since = healthy_since[back]
             assert since is not None
-            events.append(
-                PoolEvent(
-                    Change.failback,
-                    model,
-                    serving,
-                    back,
-                    now,
-                    f"{back} healthy again for {now - since:.1f} s",
+            if failed_over:
+                events.append(
+                    PoolEvent(
+                        Change.failback,
+                        model,
+                        serving,
+                        back,
+                        now,
+                        f"{back} healthy again for {now - since:.1f} s",
+                    )
                 )
-            )
+            else:
+                events.append(
+                    PoolEvent(Change.first, model, serving, back, now, "a better pool is up")
+                )
             serving = back
-    return SelectorState(serving, healthy_since, unhealthy_since), tuple(events)
+            failed_over = failed_over and back != names[0]
+    return SelectorState(serving, healthy_since, unhealthy_since, failed_over), tuple(events)
 
 
 def route_order(serving: str | None, pools: Sequence[PoolSpec], tier: TierPools) -> tuple[str, ...]:
@@ -182,6 +193,12 @@ def route_order(serving: str | None, pools: Sequence[PoolSpec], tier: TierPools)
     if tier.failover and serving in order and serving != order[0]:
         order = (serving, *(n for n in order if n != serving))
     return order
+
+
+def may_enter(pool: PoolSpec, serving: str | None, failing_over: bool) -> bool:
+    """Whether a request moving on from an earlier pool may go into `pool`: a passive
+    pool takes traffic only by failover, unless it is the one serving the model now."""
+    return not pool.passive or failing_over or pool.name == serving
 
 
 def may_leave(tier: TierPools, health: PoolHealth | None) -> bool:

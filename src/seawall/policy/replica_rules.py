@@ -378,11 +378,15 @@ def needs_verification(failure: bool, restarted: bool) -> bool:
     return failure and not restarted
 
 
-def deep_probe_delay_s(busy: bool, th: Thresholds, jitter_draw: float) -> float:
+def deep_probe_delay_s(
+    busy: bool, th: Thresholds, jitter_draw: float, min_interval_s: float | None = None
+) -> float:
     """Seconds until the next deep probe. Busy replicas prove themselves by relaying
-    tokens, so they are probed less often; `jitter_draw` in [-1, 1] spreads probes."""
+    tokens, so they are probed less often; `jitter_draw` in [-1, 1] spreads probes.
+    `min_interval_s` is a floor (a remote pool's GPUs are someone else's)."""
     base_s = th.deep_probe_interval_s if busy else th.deep_probe_idle_interval_s
-    return base_s * (1.0 + th.deep_probe_jitter * max(-1.0, min(1.0, jitter_draw)))
+    delay = base_s * (1.0 + th.deep_probe_jitter * max(-1.0, min(1.0, jitter_draw)))
+    return max(delay, min_interval_s) if min_interval_s is not None else delay
 
 
 def routing(

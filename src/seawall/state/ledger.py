@@ -1,6 +1,11 @@
 """The restart ledger store: every restart and every cordon, kept across monitor restarts.
 
-Owns the SQLite file (stdlib `sqlite3`, default) and its schema. The ledger is what lets
+Owns the `Ledger` interface the fleet monitor writes through and its two
+implementations: `RestartLedger`, a SQLite file (stdlib `sqlite3`, the default for one
+gateway instance), and `StoreLedger`, the same rows in the cluster store (Redis, or the
+local store server), for several instances: one ledger for the whole fleet, which
+survives the loss of any instance, written only by the leader and fenced by its epoch
+(a deposed leader's late write is refused, see `seawall.cluster.store`). The ledger is what lets
 "K restarts on one node within an hour" survive a gateway redeploy: without it a node that
 kills its replicas every 20 minutes would be forgiven at every rollout.
 
@@ -25,19 +30,29 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
 from seawall import clock
 from seawall.actuate.base import Evidence
+from seawall.cluster.store import ClusterStore, FencedOut, StoreUnavailable
 from seawall.policy.ledger import RecordKind, RestartRecord
+from seawall.policy.pools import PoolEvent
 
 T = TypeVar("T")
 
-__all__ = ["CordonRecord", "RecordKind", "RestartLedger", "RestartRecord"]
+__all__ = [
+    "CordonRecord",
+    "Ledger",
+    "LedgerError",
+    "RecordKind",
+    "RestartLedger",
+    "RestartRecord",
+    "StoreLedger",
+]
 
 SCHEMA_VERSION = 2
 _SCHEMA = """
@@ -58,7 +73,27 @@ CREATE TABLE IF NOT EXISTS uncordons (
     node TEXT PRIMARY KEY,
     at_wall REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS pool_events (
+    at_wall REAL NOT NULL,
+    change TEXT NOT NULL,
+    model TEXT NOT NULL,
+    from_pool TEXT,
+    to_pool TEXT,
+    reason TEXT NOT NULL
+);
 """
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRecord:
+    """A pool event as the ledger keeps it (wall-clock time)."""
+
+    at_wall: float
+    change: str  # failover | failback
+    model: str
+    from_pool: str | None
+    to_pool: str | None
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +101,43 @@ class CordonRecord:
     node: str
     since_wall: float
     evidence: Evidence
+
+
+class LedgerError(Exception):
+    """The ledger could not be read or written (its store is unreachable, or this
+    instance is no longer the leader allowed to write). The caller logs it; an action
+    already taken stands."""
+
+
+class Ledger(Protocol):
+    """What the fleet monitor keeps: restarts and failures per failure domain, cordons,
+    and the last uncordon of each domain. Times are wall-clock (unix seconds)."""
+
+    async def record(self, rec: RestartRecord) -> None: ...
+
+    async def restarts(self, node: str, since_wall: float) -> list[RestartRecord]:
+        """Real restarts in domain `node` at or after `since_wall`, oldest first."""
+        ...
+
+    async def failures(self, node: str, since_wall: float) -> list[RestartRecord]:
+        """Failures in domain `node` that restarted nothing, at or after `since_wall`."""
+        ...
+
+    async def uncordoned_at(self, node: str) -> float | None: ...
+
+    async def cordoned_nodes(self) -> dict[str, CordonRecord]: ...
+
+    async def set_cordoned(
+        self, node: str, cordoned: bool, evidence: Evidence | None = None
+    ) -> None: ...
+
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        """A model's traffic moved between pools (failover, failback)."""
+        ...
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]: ...
+
+    async def close(self) -> None: ...
 
 
 class RestartLedger:
@@ -170,12 +242,32 @@ class RestartLedger:
             )
         )
 
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        row = (clock.wall(), event.change.value, event.model, event.from_pool, event.to_pool)
+        await self._run(
+            lambda db: db.execute(
+                "INSERT INTO pool_events (at_wall, change, model, from_pool, to_pool, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (*row, event.reason),
+            )
+        )
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]:
+        rows: list[tuple[float, str, str, str | None, str | None, str]] = await self._run(
+            lambda db: db.execute(
+                "SELECT at_wall, change, model, from_pool, to_pool, reason FROM pool_events "
+                "WHERE at_wall >= ? ORDER BY at_wall",
+                (since_wall,),
+            ).fetchall()
+        )
+        return [PoolRecord(*row) for row in rows]
+
     async def close(self) -> None:
         await self._run(lambda db: db.close())
 
 
-def _evidence(raw: str) -> Evidence:
-    data: dict[str, Any] = orjson.loads(raw)
+def _evidence(raw: str | dict[str, Any]) -> Evidence:
+    data: dict[str, Any] = orjson.loads(raw) if isinstance(raw, str) else raw
     return Evidence(
         node=str(data.get("node", "")),
         reasons=tuple(data.get("reasons", ())),
@@ -184,3 +276,118 @@ def _evidence(raw: str) -> Evidence:
         ),
         extra={str(k): str(v) for k, v in data.get("extra", {}).items()},
     )
+
+
+# The rows of one domain kept in the store: the cordon rule reads the last K within a
+# window, and people the last few; a node that restarts forever must not grow a list
+# forever.
+STORE_ROWS_PER_DOMAIN = 1000
+
+
+class StoreLedger:
+    """The ledger in the cluster store, fenced by the leader's epoch.
+
+    `epoch()` is the current leader epoch of this instance (`RoleManager.epoch`). Keys:
+    `ledger:restarts:<domain>` (a capped list of JSON rows, oldest first),
+    `ledger:cordons` and `ledger:uncordons` (hashes by domain). Closing it does not
+    close the store, which the composition root owns.
+    """
+
+    def __init__(self, store: ClusterStore, epoch: Callable[[], int]) -> None:
+        self._store = store
+        self._epoch = epoch
+
+    async def _do(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except StoreUnavailable as e:
+            raise LedgerError(f"restart ledger unreachable: {e}") from e
+        except FencedOut as e:
+            raise LedgerError(f"restart ledger refused a write: {e}") from e
+
+    async def record(self, rec: RestartRecord) -> None:
+        row = orjson.dumps(
+            {
+                "at_wall": rec.at_wall,
+                "node": rec.node,
+                "replica_id": rec.replica_id,
+                "reason": rec.reason,
+                "kind": rec.kind.value,
+            }
+        )
+        key = f"ledger:restarts:{rec.node}"
+        await self._do(self._store.append(key, row, self._epoch(), STORE_ROWS_PER_DOMAIN))
+
+    async def _rows(self, node: str, since_wall: float, kind: RecordKind) -> list[RestartRecord]:
+        raw: list[bytes] = await self._do(self._store.range(f"ledger:restarts:{node}"))
+        rows = []
+        for item in raw:
+            d = orjson.loads(item)
+            rec = RestartRecord(
+                str(d["node"]),
+                str(d["replica_id"]),
+                str(d["reason"]),
+                float(d["at_wall"]),
+                RecordKind(d.get("kind", RecordKind.restart.value)),
+            )
+            if rec.kind is kind and rec.at_wall >= since_wall:
+                rows.append(rec)
+        return sorted(rows, key=lambda r: r.at_wall)
+
+    async def restarts(self, node: str, since_wall: float) -> list[RestartRecord]:
+        return await self._rows(node, since_wall, RecordKind.restart)
+
+    async def failures(self, node: str, since_wall: float) -> list[RestartRecord]:
+        return await self._rows(node, since_wall, RecordKind.failure)
+
+    async def uncordoned_at(self, node: str) -> float | None:
+        raw: dict[str, bytes] = await self._do(self._store.hgetall("ledger:uncordons"))
+        return float(raw[node]) if node in raw else None
+
+    async def cordoned_nodes(self) -> dict[str, CordonRecord]:
+        raw: dict[str, bytes] = await self._do(self._store.hgetall("ledger:cordons"))
+        out = {}
+        for node, item in raw.items():
+            d = orjson.loads(item)
+            out[node] = CordonRecord(node, float(d["since_wall"]), _evidence(d["evidence"]))
+        return out
+
+    async def set_cordoned(
+        self, node: str, cordoned: bool, evidence: Evidence | None = None
+    ) -> None:
+        now = clock.wall()
+        epoch = self._epoch()
+        if not cordoned:
+            # The uncordon time first: a crash between the two writes leaves the node
+            # cordoned (the operator asks again), never uncordoned with its old count.
+            await self._do(self._store.hset("ledger:uncordons", node, repr(now).encode(), epoch))
+            await self._do(self._store.hdel("ledger:cordons", node, epoch))
+            return
+        existing = await self.cordoned_nodes()
+        since = existing[node].since_wall if node in existing else now  # kept, as in SQLite
+        evidence = evidence or Evidence(node=node, reasons=("manual",))
+        row = orjson.dumps({"since_wall": since, "evidence": asdict(evidence)})
+        await self._do(self._store.hset("ledger:cordons", node, row, epoch))
+
+    async def record_pool_event(self, event: PoolEvent) -> None:
+        row = orjson.dumps(
+            {
+                "at_wall": clock.wall(),
+                "change": event.change.value,
+                "model": event.model,
+                "from_pool": event.from_pool,
+                "to_pool": event.to_pool,
+                "reason": event.reason,
+            }
+        )
+        await self._do(
+            self._store.append("ledger:pools", row, self._epoch(), STORE_ROWS_PER_DOMAIN)
+        )
+
+    async def pool_events(self, since_wall: float) -> list[PoolRecord]:
+        raw: list[bytes] = await self._do(self._store.range("ledger:pools"))
+        rows = [PoolRecord(**orjson.loads(item)) for item in raw]
+        return sorted((r for r in rows if r.at_wall >= since_wall), key=lambda r: r.at_wall)
+
+    async def close(self) -> None:
+        return None

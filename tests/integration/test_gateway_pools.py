@@ -1,0 +1,301 @@
+"""Pools (issue 16): two pools of real `seawall sim` replicas behind a real gateway, one of
+them standing in for a remote region through a loopback relay that adds latency.
+
+Each test is bounded in time and count and talks only to 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from seawall.auth import hash_key
+from tests.support.chop import ChoppingRelay
+from tests.support.fleet import (
+    MODEL,
+    metric_sum,
+    running,
+    scrape,
+    start_gateway,
+    start_sim,
+    wait_until,
+)
+from tests.support.procs import Proc, free_port
+
+pytestmark = pytest.mark.integration
+
+ADMIN_TOKEN = "sk-sw-admin-pools-0000000000000000000000000000000"
+GOLD = "sk-sw-pools-gold-00000000000000000000000000000000"
+FREE = "sk-sw-pools-free-00000000000000000000000000000000"
+WAN_S = 0.02  # one-way latency to the remote region
+
+
+def config(pools: dict[str, Any], replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "replicas": replicas,
+        "pools": pools,
+        "failover": {"after_s": 1.0, "failback_after_s": 4.0, "retry_after_s": 7},
+        "tiers": {
+            "gold": {"priority": 0},
+            "free": {"priority": 1, "pools": {"overflow": False, "failover": False}},
+        },
+        "tenants": {
+            "gold": {"tier": "gold", "api_key_hashes": [hash_key(GOLD)]},
+            "free": {"tier": "free", "api_key_hashes": [hash_key(FREE)]},
+        },
+        "admin": {"enabled": True, "port": free_port(), "token_hash": hash_key(ADMIN_TOKEN)},
+        "metrics": {"access": "public"},
+        "fleet": {
+            "liveness_interval_s": 0.25,
+            "scrape_interval_s": 0.25,
+            "deep_probe_interval_s": 30,
+            "deep_probe_idle_interval_s": 30,
+        },
+        **extra,
+    }
+
+
+def replica(rid: str, url: str, pool: str) -> dict[str, Any]:
+    return {"id": rid, "url": url, "model": MODEL, "pool": pool}
+
+
+def admin_state(gw: Proc, cfg: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.get(
+        f"http://127.0.0.1:{cfg['admin']['port']}/admin/state",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
+    r.raise_for_status()
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def serving(gw: Proc, cfg: dict[str, Any]) -> str | None:
+    for p in admin_state(gw, cfg)["pools"]:
+        if MODEL in p["serving"]:
+            return str(p["pool"])
+    return None
+
+
+def routable(gw: Proc, cfg: dict[str, Any], rids: list[str]) -> bool:
+    by_id = {r["id"]: r for r in admin_state(gw, cfg)["replicas"]}
+    return all(by_id.get(rid, {}).get("routable") for rid in rids)
+
+
+@dataclass
+class Outcome:
+    first_token: bool = False
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+
+
+@dataclass
+class Clients:
+    """Closed-loop streaming clients of one tenant, until `stop` (bounded by `limit`)."""
+
+    url: str
+    key: str
+    max_tokens: int = 20
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, n: int, limit_s: float = 60.0) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._loop, args=(limit_s,)) for _ in range(n)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _loop(self, limit_s: float) -> None:
+        body = {"model": MODEL, "prompt": "pools", "max_tokens": self.max_tokens, "stream": True}
+        body["ignore_eos"] = True
+        end = time.monotonic() + limit_s
+        with httpx.Client(timeout=30) as c:
+            for _ in range(10_000):
+                if self.stop.is_set() or time.monotonic() > end:
+                    return
+                o = Outcome()
+                try:
+                    with c.stream(
+                        "POST",
+                        self.url + "/v1/completions",
+                        json=body,
+                        headers={"Authorization": f"Bearer {self.key}"},
+                    ) as r:
+                        o.status = r.status_code
+                        data = b""
+                        for chunk in r.iter_raw():
+                            data += chunk
+                            o.first_token = o.first_token or b'"text"' in data
+                    o.ok = o.status == 200 and data.endswith(b"data: [DONE]\n\n")
+                    o.ok = o.ok and b'"error"' not in data
+                except httpx.HTTPError as e:
+                    o.error = type(e).__name__
+                self.outcomes.append(o)
+                if o.status == 429:
+                    time.sleep(0.05)
+
+
+def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_token(
+    artifacts: Path,
+) -> None:
+    east_ports = [free_port(), free_port()]
+    east = [start_sim(artifacts, name=f"east{i}", port=p) for i, p in enumerate(east_ports)]
+    west = start_sim(artifacts, name="west")
+    with running(west), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
+        pools = {
+            "east": {"priority": 0},
+            "west": {"priority": 1, "mode": "passive", "timeouts": {"ttft_s": 30}},
+        }
+        replicas = [replica(f"e{i}", s.url, "east") for i, s in enumerate(east)]
+        replicas.append(replica("w0", wan.url, "west"))
+        cfg = config(pools, replicas)
+        gw = start_gateway(artifacts, [], cfg)
+        with running(gw):
+            wait_until(lambda: routable(gw, cfg, ["e0", "e1", "w0"]), 20, what="all routable")
+            wait_until(lambda: serving(gw, cfg) == "east", 10, what="east serving")
+            gold = Clients(gw.url, GOLD)
+            threads = gold.run(4)
+            try:
+                wait_until(lambda: sum(o.ok for o in gold.outcomes) >= 8, 20, what="traffic")
+                before_kill = len(gold.outcomes)
+                for s in east:
+                    s.popen.send_signal(signal.SIGKILL)
+                wait_until(lambda: serving(gw, cfg) == "west", 15, what="failover to west")
+                # The tier that may not leave its pool is refused cleanly, and told when.
+                r = httpx.post(
+                    gw.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {FREE}"},
+                    timeout=10,
+                )
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "pool_unavailable"
+                assert r.headers["retry-after"] == "7" and r.headers["x-should-retry"] == "true"
+                wait_until(
+                    lambda: sum(o.ok for o in gold.outcomes[before_kill:]) >= 6,
+                    20,
+                    what="gold served by the standby region",
+                )
+                # East comes back on the same addresses; traffic returns after the hold.
+                east = [
+                    start_sim(artifacts, name=f"east{i}-again", port=p)
+                    for i, p in enumerate(east_ports)
+                ]
+                wait_until(lambda: routable(gw, cfg, ["e0", "e1"]), 20, what="east routable")
+                east_up_wall = time.time()
+                assert serving(gw, cfg) == "west"  # not on the first healthy probe
+                wait_until(lambda: serving(gw, cfg) == "east", 20, what="failback to east")
+            finally:
+                gold.stop.set()
+                for t in threads:
+                    t.join(timeout=40)
+                for s in east:
+                    s.stop()
+            failed = [o for o in gold.outcomes if not o.ok]
+            # Anything that failed had its first token already (cut mid-stream by the
+            # crash); nothing failed before it.
+            assert all(o.first_token for o in failed), failed
+            events = [e for e in admin_state(gw, cfg)["pool_events"] if e["change"] != "first"]
+            assert [(e["change"], e["from"], e["to"]) for e in events] == [
+                ("failover", "east", "west"),
+                ("failback", "west", "east"),
+            ]
+            assert events[1]["at_wall"] - east_up_wall > 2.0  # the failback hold
+            m = scrape(gw.url)
+            assert metric_sum(m, "seawall_pool_failovers_total", to_pool="west") == 1
+            assert metric_sum(m, "seawall_pool_failbacks_total", to_pool="east") == 1
+            assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") > 0
+            written = yaml.safe_load(Path(str(gw.extra["config_path"])).read_text())
+            ledger = sqlite3.connect(written["fleet"]["ledger_path"])
+            rows = ledger.execute("SELECT change, from_pool, to_pool FROM pool_events").fetchall()
+            assert rows == [("failover", "east", "west"), ("failback", "west", "east")]
+
+
+def test_overflow_keeps_preemptions_at_zero_and_sheds_only_the_tier_that_may_not_leave(
+    artifacts: Path,
+) -> None:
+    small_kv = ("--kv-blocks", "160", "--max-model-len", "2048", "--step-base-ms", "10")
+    east = start_sim(artifacts, *small_kv, name="east")
+    west = [start_sim(artifacts, *small_kv, name=f"west{i}") for i in range(2)]
+    relays = [ChoppingRelay(s.port or 0, piece=None, delay_s=WAN_S) for s in west]
+    with running(east, *west), relays[0] as wan0, relays[1] as wan1:
+        pools = {"east": {"priority": 0}, "west": {"priority": 1}}
+        replicas = [replica("e0", east.url, "east")]
+        replicas += [replica("w0", wan0.url, "west"), replica("w1", wan1.url, "west")]
+        # Exact reservations: at 3x the first pool's capacity, nothing may preempt.
+        cfg = config(pools, replicas, admission={"mode": "reserve"})
+        gw = start_gateway(artifacts, [], cfg)
+        with running(gw):
+            wait_until(lambda: routable(gw, cfg, ["e0", "w0", "w1"]), 20, what="routable")
+            # East holds about 11 of these (200 tokens each, 160 blocks of 16): 3x is 33.
+            gold, free = Clients(gw.url, GOLD, 200), Clients(gw.url, FREE, 200)
+            threads = gold.run(17, limit_s=12) + free.run(16, limit_s=12)
+            for t in threads:
+                t.join(timeout=60)
+            m = scrape(gw.url)
+            for sim in (east, *west):
+                assert metric_sum(scrape(sim.url), "vllm:num_preemptions_total") == 0
+            assert metric_sum(m, "seawall_shed_total", tier="gold") == 0
+            assert metric_sum(m, "seawall_shed_total", tier="free") > 0
+            assert sum(o.ok for o in gold.outcomes) > 0 and sum(o.ok for o in free.outcomes) > 0
+            west_ok = sum(
+                metric_sum(m, "seawall_upstream_attempts_total", replica=r, outcome="ok")
+                for r in ("w0", "w1")
+            )
+            assert west_ok > 0  # gold overflowed to the next region
+            assert all(o.status in (200, 429) for o in gold.outcomes + free.outcomes)
+
+
+def test_a_failing_remote_pool_is_cut_off_by_its_breaker_and_probed_at_its_own_rate(
+    artifacts: Path,
+) -> None:
+    """The remote pool answers every request with a 500: after `failures` attempts its
+    circuit opens and no more requests are sent there until the open time has passed;
+    its replicas are deep-probed no more often than the pool allows."""
+    west = start_sim(artifacts, name="west")
+    with running(west), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
+        pools = {
+            "west": {
+                "priority": 0,
+                "breaker": {"failures": 3, "open_s": 30},
+                "deep_probe_min_interval_s": 4.0,
+            }
+        }
+        fleet = {"liveness_interval_s": 0.25, "deep_probe_idle_interval_s": 0.25}
+        cfg = config(pools, [replica("w0", wan.url, "west")])
+        cfg["fleet"] = {**cfg["fleet"], **fleet, "deep_probe_interval_s": 0.25}
+        gw = start_gateway(artifacts, [], cfg)
+        with running(gw):
+            wait_until(lambda: routable(gw, cfg, ["w0"]), 20, what="w0 routable")
+            probes_at_start = wan.sent.count(b"POST /v1/completions")
+            started = time.monotonic()
+            httpx.post(
+                west.url + "/sim/fault",
+                json={"kind": "errors", "rate": 1.0, "when": "before_first_token"},
+                timeout=5,
+            ).raise_for_status()
+            statuses = []
+            with httpx.Client(timeout=30) as c:
+                for _ in range(12):
+                    r = c.post(
+                        gw.url + "/v1/completions",
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {GOLD}"},
+                    )
+                    statuses.append(r.status_code)
+            attempts = metric_sum(scrape(gw.url), "seawall_upstream_attempts_total", replica="w0")
+            assert attempts == 3, statuses  # the breaker opened after three failures
+            assert statuses[:3] == [500] * 3 and set(statuses[3:]) == {503}
+            time.sleep(max(0.0, 6.0 - (time.monotonic() - started)))
+            sent = wan.sent.count(b"POST /v1/completions") - probes_at_start
+            # Three requests plus, in 6 s, at most two deep probes at one per 4 s.
+            assert sent <= 3 + 2, sent
