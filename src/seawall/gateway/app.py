@@ -217,8 +217,9 @@ class Gateway:
             config.failover.failback_after_s,
             on_event=self._pool_event,
         )
-        for name, pc in config.pools.items():
-            m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
+        if not self.pools.single:
+            for name, pc in config.pools.items():
+                m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
         self.monitor.subscribe(lambda snap: self._observe_pools())
         self.fleet_admission = FleetAdmission(config.admission, self.replicas, m, self.pools)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
@@ -417,7 +418,8 @@ class Gateway:
         self.replicas.add(replica)
         counts = replica.counts
         self.metrics.inflight.labels(rid).set_function(lambda: counts.requests)
-        self.metrics.replica_pool.labels(rid, spec.pool).set(1)
+        if len(self.config.pools) > 1:  # one pool: no pool series (the flat fleet)
+            self.metrics.replica_pool.labels(rid, spec.pool).set(1)
         self._specs[rid] = spec
         self.monitor.add_replica(spec)
         return replica

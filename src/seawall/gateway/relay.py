@@ -505,14 +505,7 @@ class _Feed:
     def feed(self, data: bytes) -> bool:
         if self.end is not None:
             return True
-        now = clock.monotonic()
-        timer = self.timer
-        gap = now - timer.last
-        timer.last = now
-        self._itl.observe(gap)
-        replica = self.replica
-        replica.observe_itl(gap)
-        replica.chunks_relayed += 1
+        self._arrived()
         self.ctx.stream.events += data.count(b"data:")
         end: StreamEnd | None = None
         if self._filter:
@@ -525,6 +518,40 @@ class _Feed:
             if ABORT_MARK in joined:
                 self.ctx.stream.aborted = True
             self.tail = joined[-_TAIL:]
+        return self._send(out, end)
+
+    def feed_marked(self, data: bytes) -> bool:
+        """`feed` for the Responses and Anthropic dialects, whose end is an event of their
+        own (`EndWatch`), not a trailing `[DONE]`."""
+        if self.end is not None:
+            return True
+        self._arrived()
+        end: StreamEnd | None = None
+        watch = self.watch
+        assert watch is not None
+        if self._filter:
+            events = self._sse.feed(data)
+            watch.events += len(events)
+            out, end = self._relay._filter(self.ctx, events)
+        else:
+            out = data
+            watch.see(data)
+        return self._send(out, end)
+
+    def _arrived(self) -> None:
+        """A read arrived: the inter-token gap goes to the metrics, the replica's ITL
+        average and the idle timer."""
+        now = clock.monotonic()
+        timer = self.timer
+        gap = now - timer.last
+        timer.last = now
+        self._itl.observe(gap)
+        replica = self.replica
+        replica.observe_itl(gap)
+        replica.chunks_relayed += 1
+
+    def _send(self, out: bytes, end: StreamEnd | None) -> bool:
+        """Write `out` to the client as one HTTP chunk; False ends the relay."""
         if out:
             transport = self.transport
             if transport.is_closing():
@@ -537,42 +564,6 @@ class _Feed:
             self.end = end
             if end is StreamEnd.done:
                 # Keep the connection for reuse when the response's end came in this read.
-                return self.conn.complete
-            return False
-        return True
-
-    def feed_marked(self, data: bytes) -> bool:
-        if self.end is not None:
-            return True
-        now = clock.monotonic()
-        timer = self.timer
-        gap = now - timer.last
-        timer.last = now
-        self._itl.observe(gap)
-        replica = self.replica
-        replica.observe_itl(gap)
-        replica.chunks_relayed += 1
-        end: StreamEnd | None = None
-        watch = self.watch
-        assert watch is not None
-        if self._filter:
-            events = self._sse.feed(data)
-            watch.events += len(events)
-            out, end = self._relay._filter(self.ctx, events)
-        else:
-            out = data
-            watch.see(data)
-        if out:
-            transport = self.transport
-            if transport.is_closing():
-                self.end = _CLIENT_LEFT
-                return False
-            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
-            if self._client.writing_paused:
-                self.conn.pause()
-        if end is not None:
-            self.end = end
-            if end is StreamEnd.done:
                 return self.conn.complete
             return False
         return True
