@@ -26,6 +26,7 @@ from seawall.policy.adaptive_admission import ControlConfig
 from seawall.policy.admission import AdmissionThresholds
 from seawall.policy.limits import TierLimits
 from seawall.policy.pools import TierPools
+from seawall.protocol.routes import Route
 
 DEFAULT_TIER = "default"
 DEFAULT_POOL = "default"
@@ -268,6 +269,15 @@ class TierConfig(_Strict):
     # from max_prompt_tokens (protocol/tokens.py `max_prompt_bytes`: 10 bytes per token
     # + 64 KiB for the rest of the body); no bound without max_prompt_tokens.
     max_prompt_bytes: Annotated[int, Field(ge=1024)] | None = None
+    # Structured output (response_format json_schema, structured_outputs, text.format...;
+    # protocol/structured.py): a constraint's JSON nodes and nesting depth, as the grammar
+    # each decode step advances grows with them. Over either: 400 before anything is sent.
+    max_schema_nodes: Annotated[int, Field(ge=1)] | None = None
+    max_schema_depth: Annotated[int, Field(ge=1)] | None = None
+    # The bulkhead: replica ids that serve this tier's grammar-constrained requests (and
+    # only those take them); plain requests of every tier avoid these replicas while any
+    # other replica of the model is usable. None: constrained requests go anywhere.
+    grammar_replicas: list[str] | None = None
 
     def prompt_bytes_limit(self) -> int | None:
         """The byte bound the door applies to this tier's request bodies."""
@@ -542,7 +552,7 @@ class GatewayConfig(_Strict):
     # there, when the file is validated; never written back out (`exclude`).
     model_list: list[ModelListEntry] = Field(default_factory=list, exclude=True)
     timeouts: Timeouts = Timeouts()
-    routes: dict[Literal["completions", "chat"], TimeoutOverrides] = Field(default_factory=dict)
+    routes: dict[Route, TimeoutOverrides] = Field(default_factory=dict)
     retry: RetryConfig = RetryConfig()
     hedging: HedgeConfig = HedgeConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -615,6 +625,20 @@ class GatewayConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _grammar_replicas_exist(self) -> GatewayConfig:
+        if self.fleet.discovery is not None:
+            return self  # discovered replicas' ids (their addresses) are not known yet
+        known = {r.id or f"r{i}" for i, r in enumerate(self.replicas)}
+        for name, tier in self.tiers.items():
+            unknown = sorted(set(tier.grammar_replicas or ()) - known)
+            if unknown:
+                raise ValueError(
+                    f"tiers.{name}.grammar_replicas: unknown replica ids {unknown}; "
+                    f"configured replicas: {sorted(known)}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
         ids = [r.id for r in self.replicas if r.id]
         dupes = {i for i in ids if ids.count(i) > 1}
@@ -622,7 +646,7 @@ class GatewayConfig(_Strict):
             raise ValueError(f"replica ids must be unique; repeated: {sorted(dupes)}")
         return self
 
-    def timeouts_for(self, route: Literal["completions", "chat"]) -> Timeouts:
+    def timeouts_for(self, route: Route) -> Timeouts:
         override = self.routes.get(route)
         return override.apply(self.timeouts) if override else self.timeouts
 

@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ from seawall.fleet.signals import FleetWideSignals, GatewaySignals
 from seawall.fleet.view import FleetSnapshot
 from seawall.gateway import telemetry
 from seawall.gateway.admin import Admin
+from seawall.gateway.bulkhead import Bulkheads
 from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
@@ -79,6 +80,7 @@ from seawall.policy.ledger import failure_domain
 from seawall.policy.outlier import OutlierRule
 from seawall.policy.pools import Change, PoolEvent
 from seawall.policy.retry_budget import RetryBudget
+from seawall.protocol.routes import ROUTES, Route
 from seawall.state.backends import open_limits_backend
 from seawall.state.ledger import Ledger, StoreLedger
 
@@ -86,6 +88,8 @@ log = logging.getLogger("seawall.gateway")
 
 # How often each model's serving pool is stepped besides on fleet snapshots.
 POOL_TICK_S = 0.5
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # After the drain deadline has cut what was left, how long the cut requests get to write
 # their last bytes (an error event and [DONE]) before the listener closes.
@@ -215,8 +219,9 @@ class Gateway:
             config.failover.failback_after_s,
             on_event=self._pool_event,
         )
-        for name, pc in config.pools.items():
-            m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
+        if not self.pools.single:
+            for name, pc in config.pools.items():
+                m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
         self.monitor.subscribe(lambda snap: self._observe_pools())
         self.fleet_admission = FleetAdmission(config.admission, self.replicas, m, self.pools)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
@@ -245,6 +250,7 @@ class Gateway:
             on_ttft=self._observe_ttft,
             pools=self.pools,
             pool_retry_after_s=config.failover.retry_after_s,
+            bulkheads=Bulkheads(lambda: self.tenancy.tiers),  # the tiers as last reloaded
         )
         relay = Relay(
             dispatcher=self.dispatcher,
@@ -414,7 +420,8 @@ class Gateway:
         self.replicas.add(replica)
         counts = replica.counts
         self.metrics.inflight.labels(rid).set_function(lambda: counts.requests)
-        self.metrics.replica_pool.labels(rid, spec.pool).set(1)
+        if len(self.config.pools) > 1:  # one pool: no pool series (the flat fleet)
+            self.metrics.replica_pool.labels(rid, spec.pool).set(1)
         self._specs[rid] = spec
         self.monitor.add_replica(spec)
         return replica
@@ -600,11 +607,11 @@ class Gateway:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
         proxy = self.proxy
 
-        async def completions(request: web.Request) -> web.StreamResponse:
-            return await proxy.handle(request, "completions")
+        def handler(route: Route) -> Handler:
+            async def handle(request: web.Request) -> web.StreamResponse:
+                return await proxy.handle(request, route)
 
-        async def chat(request: web.Request) -> web.StreamResponse:
-            return await proxy.handle(request, "chat")
+            return handle
 
         async def method_not_allowed(request: web.Request) -> web.Response:
             return _error(
@@ -614,8 +621,11 @@ class Gateway:
         async def not_found(request: web.Request) -> web.Response:
             return _error(ApiError(404, f"Route {request.method} {request.path} not found."))
 
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/chat/completions", chat)
+        # Every engine route the gateway passes through (protocol/routes.py), POST only,
+        # as vLLM registers them; any other method is a 405.
+        for spec in ROUTES.values():
+            app.router.add_post(spec.path, handler(spec.name))
+            app.router.add_route("GET", spec.path, method_not_allowed)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -625,8 +635,6 @@ class Gateway:
         app.router.add_get("/version", self._version)
         app.router.add_route("*", "/ping", self._ping)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            app.router.add_route("GET", path, method_not_allowed)
         app.router.add_route("*", "/{tail:.*}", not_found)
         return app
 

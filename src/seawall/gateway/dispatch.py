@@ -25,6 +25,7 @@ from seawall import clock
 from seawall.config import RetryConfig
 from seawall.errors import ApiError, unavailable
 from seawall.gateway import aliases
+from seawall.gateway.bulkhead import Bulkheads
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
@@ -36,8 +37,6 @@ from seawall.metrics import Metrics
 from seawall.policy.deadline import first_token_wait
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.retry_budget import RetryBudget
-
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 def encode_body(obj: dict[str, Any]) -> bytes:
@@ -66,6 +65,7 @@ class Dispatcher:
         on_ttft: Callable[[float], None] | None = None,
         pools: PoolRouter | None = None,
         pool_retry_after_s: float = 10.0,
+        bulkheads: Bulkheads | None = None,
     ) -> None:
         self.replicas = replicas
         # Which pools a request may use, in which order (gateway/pools.py); None: one pool.
@@ -79,6 +79,7 @@ class Dispatcher:
         self.hedge = hedge  # None: hedging off
         self.fleet_load = fleet_load
         self.on_ttft = on_ttft  # every first token's TTFT (the admin history samples it)
+        self.bulkheads = bulkheads  # grammar-constrained requests' own replicas
 
     # -- the request's first token ------------------------------------------------------
 
@@ -121,11 +122,18 @@ class Dispatcher:
     ) -> Replica | None:
         if self.pools is None:
             free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
-            return self.replicas.choose(free if free_only else free or saturated)
-        reach = self.pools.reach(ctx.model, ctx.pools, now, tried, ctx.reserve_tokens)
-        if reach.refused_by is not None:
-            ctx.pool_refused = reach.refused_by
-        return self.replicas.choose(reach.free if free_only else reach.free or reach.saturated)
+        else:
+            reach = self.pools.reach(ctx.model, ctx.pools, now, tried, ctx.reserve_tokens)
+            if reach.refused_by is not None:
+                ctx.pool_refused = reach.refused_by
+            free, saturated = reach.free, reach.saturated
+        # Within what the serving pools allow: grammar-constrained requests and plain
+        # ones kept apart (bulkhead.py).
+        bulkhead = self.bulkheads.current() if self.bulkheads is not None else None
+        if bulkhead is not None and ctx.req is not None:
+            constrained = bool(ctx.req.constraints)
+            free, saturated = bulkhead.split(ctx.tier, constrained, free, saturated)
+        return self.replicas.choose(free if free_only else free or saturated)
 
     async def attempt(
         self,
@@ -146,7 +154,8 @@ class Dispatcher:
         # the public one); None: the names agree, nothing to rewrite.
         served = replica.model if replica.model != ctx.model else None
         if served is not None:
-            body = aliases.upstream_body(body, served)
+            multipart = req.spec.body == "multipart"  # an upload: its form field, not JSON
+            body = req.with_model(served) if multipart else aliases.upstream_body(body, served)
         strip: frozenset[str] = frozenset()
         if isinstance(body, dict):
             engine = self.replicas.view(replica, self.replicas.snapshot()).engine
@@ -178,7 +187,7 @@ class Dispatcher:
         try:
             opened = await self.upstream.open(
                 replica,
-                PATHS[req.route],
+                req.spec.path,  # the client's path: vLLM serves each route under it
                 req,
                 body,
                 ctx.request_id,

@@ -33,6 +33,10 @@ from seawall import clock
 IDLE_TTL_S = 4.0
 MAX_IDLE_PER_ENDPOINT = 256
 
+# Bodies up to this size are sent in one write with the request head; larger ones (an
+# audio upload) in a write of their own, so the upload is not copied to be forwarded.
+_JOIN_MAX_BYTES = 64 * 1024
+
 # The sink returns False to stop the relay (its stream has ended, or its client left).
 Sink = Callable[[bytes], bool]
 
@@ -97,10 +101,12 @@ class H1Connection(asyncio.Protocol):
 
     # -- the caller's side -------------------------------------------------------------
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, body: bytes = b"") -> None:
         assert self.transport is not None
         self._reset()
         self.transport.write(data)
+        if body:
+            self.transport.write(body)
 
     async def wait_head(self) -> None:
         while not self.head_done:
@@ -302,21 +308,23 @@ class H1Pool:
         head = [f"POST {endpoint.prefix}{path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\n"]
         head += [f"{k}: {v}\r\n" for k, v in headers.items()]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
-        data = "".join(head).encode("latin-1") + body
+        data = "".join(head).encode("latin-1")
+        if len(body) <= _JOIN_MAX_BYTES:
+            data, body = data + body, b""  # one write for the usual small JSON body
         conn = self._take(endpoint)
         if conn is not None:
             try:
-                return await self._exchange(conn, data)
+                return await self._exchange(conn, data, body)
             except BrokenResponse:
                 if conn.received:
                     raise
                 # Closed by the server while idle, as we sent: the request never arrived.
-        return await self._exchange(await self._connect(endpoint), data)
+        return await self._exchange(await self._connect(endpoint), data, body)
 
     @staticmethod
-    async def _exchange(conn: H1Connection, data: bytes) -> H1Connection:
+    async def _exchange(conn: H1Connection, data: bytes, body: bytes) -> H1Connection:
         try:
-            conn.send(data)
+            conn.send(data, body)
             await conn.wait_head()
         except BaseException:
             conn.close()

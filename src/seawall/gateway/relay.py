@@ -42,16 +42,23 @@ from seawall.metrics import Metrics
 from seawall.policy.retry_budget import RetryBudget
 from seawall.protocol.sse import (
     ABORT_MARK,
+    CLASSIFY,
     DONE_EVENT,
+    Dialect,
+    EndWatch,
     Kind,
+    body_usage,
     choice_text,
     classify,
+    error_event,
     event_bytes,
+    event_usage,
     usage_of,
 )
 
 # The raw relay keeps the stream's last bytes: enough to see `[DONE]` at its end, and an
-# abort mark that one socket read split from the next.
+# abort mark that one socket read split from the next (OpenAI chunks); enough to see a
+# terminal event's field line that one read split from the next (the other dialects).
 _TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
 
 _CLIENT_LEFT = "client_left"
@@ -84,8 +91,8 @@ class Relay:
             body = opened.body or b""
             if ctx.reconcile or ctx.admission is not None:  # adaptive admission learns it
                 try:
-                    obj = orjson.loads(body)
-                    ctx.usage = usage_of(obj) if isinstance(obj, dict) else None
+                    # In OpenAI's words whatever the route's vocabulary (input_tokens...).
+                    ctx.usage = body_usage(orjson.loads(body))
                 except orjson.JSONDecodeError:
                     pass
             ctx.status = 200
@@ -94,8 +101,11 @@ class Relay:
             return web.Response(
                 body=body,
                 status=200,
-                content_type="application/json",
-                headers={"X-Request-Id": ctx.request_id},
+                headers={
+                    # The engine's: audio answers may be text, SRT or VTT.
+                    "Content-Type": opened.conn.headers.get("content-type", "application/json"),
+                    "X-Request-Id": ctx.request_id,
+                },
             )
         finally:
             opened.close()
@@ -147,7 +157,9 @@ class Relay:
         st = ctx.stream
         opened = st.opened
         assert opened is not None
-        end = await self._pump(request, ctx, opened, resp)
+        assert ctx.req is not None
+        watch = EndWatch(ctx.req.dialect)  # events relayed, and the raw end (not openai)
+        end = await self._pump(request, ctx, opened, resp, watch)
         while end is not StreamEnd.done and self._may_migrate(ctx, end):
             opened.replica.observe_outcome(False)
             nxt = await self._continue_elsewhere(ctx, opened.replica)
@@ -160,7 +172,7 @@ class Relay:
                 nxt.hold.stream()
             ctx.stage = "streaming"
             ctx.replica = nxt.replica.id
-            end = await self._pump(request, ctx, opened, resp)
+            end = await self._pump(request, ctx, opened, resp, watch)
         if end is StreamEnd.done and st.aborted:
             # Relayed as the engine sent it (finish_reason "abort", then [DONE]), but the
             # answer was cut short: a dropped stream all the same.
@@ -176,7 +188,7 @@ class Relay:
                 opened.replica.observe_outcome(False)
             self.metrics.stream_errors.labels(end.value).inc()
             ctx.error = end.value
-            await resp.write(stream_error(end).sse_event())
+            await resp.write(_error_event(ctx, end, watch.events))
         if end is StreamEnd.done:
             # The client has the whole answer, `[DONE]` included; SDKs close the
             # connection as soon as they read it, so the terminating chunk may find it
@@ -187,21 +199,37 @@ class Relay:
         await resp.write_eof()
 
     async def _pump(
-        self, request: web.Request, ctx: RequestCtx, opened: Opened, resp: web.StreamResponse
+        self,
+        request: web.Request,
+        ctx: RequestCtx,
+        opened: Opened,
+        resp: web.StreamResponse,
+        watch: EndWatch,
     ) -> StreamEnd:
         """Relay until the stream ends; return how it ended."""
         st = ctx.stream
+        assert ctx.req is not None
+        dialect = ctx.req.dialect
         parse_events = st.strip_usage or st.track_text or ctx.reconcile
+        if dialect is not Dialect.openai and ctx.admission is not None:
+            # Adaptive admission learns the completion's length from the usage that the
+            # Responses and Anthropic dialects put in their events (the raw relay counts
+            # OpenAI chunks only).
+            parse_events = True
         tail = b""
         if opened.head:
             if parse_events:
+                watch.events += len(opened.head)
                 out, end = self._filter(ctx, [e.raw for e in opened.head])
             else:
                 # Raw relay: the head's events, then whatever partial event followed them.
                 out = b"".join(e.raw for e in opened.head) + opened.sse.pending
-                tail = out[-_TAIL:]
-                st.aborted = st.aborted or ABORT_MARK in out
-                done = any(e.kind is Kind.DONE for e in opened.head)
+                if dialect is Dialect.openai:
+                    tail = out[-_TAIL:]
+                    st.aborted = st.aborted or ABORT_MARK in out
+                else:
+                    watch.see(out)  # a terminal event may begin after the head's events
+                done = any(e.terminal for e in opened.head)
                 end = StreamEnd.done if done else None
             if out:
                 await resp.write(out)
@@ -210,7 +238,11 @@ class Relay:
         conn = opened.conn
         timer = IdleDeadline(ctx.timeouts.itl_s, ctx.deadline, opened.first_token_at)
         feed = _Feed(self, request, ctx, opened, parse_events, timer, tail)
-        conn.relay(feed.feed)
+        if dialect is Dialect.openai:
+            conn.relay(feed.feed)
+        else:
+            feed.watch = watch
+            conn.relay(feed.feed_marked)
         try:
             while True:
                 await conn.wait_relay()
@@ -219,11 +251,7 @@ class Relay:
                 if isinstance(feed.end, StreamEnd) and (conn.stopped or conn.complete):
                     return feed.end
                 if conn.complete:
-                    return (
-                        StreamEnd.done
-                        if feed.tail.endswith(DONE_EVENT)
-                        else StreamEnd.upstream_closed
-                    )
+                    return StreamEnd.done if feed.finished() else StreamEnd.upstream_closed
                 if conn.paused:
                     await resp.drain()
                     conn.resume()
@@ -247,6 +275,9 @@ class Relay:
         delivered (for migration), and after a migration present the continuation as the
         same stream (original id and created, no second role chunk, one usage).
         Returns the bytes to write and, when these events end the stream, how."""
+        assert ctx.req is not None
+        if ctx.req.dialect is not Dialect.openai:
+            return self._filter_typed(ctx, events, ctx.req.dialect)
         st = ctx.stream
         out: list[bytes] = []
         migrated = st.migrations > 0
@@ -305,6 +336,25 @@ class Relay:
                 end = StreamEnd.done
             out.append(raw)
         return b"".join(out), end
+
+    @staticmethod
+    def _filter_typed(
+        ctx: RequestCtx, events: list[bytes], dialect: Dialect
+    ) -> tuple[bytes, StreamEnd | None]:
+        """Event-level relay of the Responses and Anthropic dialects: the bytes pass as
+        the engine wrote them; the usage their events report is read (for token-rate
+        reconciliation, in OpenAI's words), and the terminal event ends the stream."""
+        classify_event = CLASSIFY[dialect]
+        end: StreamEnd | None = None
+        for raw in events:
+            ev = classify_event(raw)
+            usage = event_usage(dialect, ev)
+            if usage:
+                # Anthropic reports the prompt at the start and the output at the end.
+                ctx.usage = {**(ctx.usage or {}), **usage}
+            if ev.terminal:
+                end = StreamEnd.done
+        return b"".join(events), end
 
     @staticmethod
     def _count(st: StreamState, obj: dict[str, Any]) -> None:
@@ -371,6 +421,16 @@ def _without(obj: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in keys}
 
 
+def _error_event(ctx: RequestCtx, end: StreamEnd, events_relayed: int) -> bytes:
+    """The gateway's error that ends a broken stream, in the stream's dialect (the
+    Responses API numbers its events: this one takes the next number)."""
+    error = stream_error(end)
+    dialect = ctx.req.dialect if ctx.req is not None else Dialect.openai
+    if dialect is Dialect.openai:
+        return error.sse_event()
+    return error_event(dialect, error.body()["error"], error.status, events_relayed)
+
+
 def _uncancel_cut(ctx: RequestCtx) -> bool:
     """True (and the cancellation undone) when it came from the gateway's own drain cut."""
     ticket = ctx.ticket
@@ -387,7 +447,9 @@ class _Feed:
 
     `feed` runs once per read from the replica: it records the inter-token gap (metrics,
     the replica's ITL average, the idle timer), then writes the bytes to the client's
-    transport, framed as one HTTP chunk."""
+    transport, framed as one HTTP chunk. `feed_marked` does the same for the Responses
+    and Anthropic dialects, whose raw end is a terminal event's field line rather than a
+    `[DONE]` tail (a method of its own, so OpenAI chunks' per-read work is unchanged)."""
 
     __slots__ = (
         "_client",
@@ -403,6 +465,7 @@ class _Feed:
         "tail",
         "timer",
         "transport",
+        "watch",
     )
 
     def __init__(
@@ -431,18 +494,18 @@ class _Feed:
         self.timer = timer  # its `last` is when the latest chunk arrived
         self.tail = tail  # the stream's last bytes (see _TAIL)
         self.end: StreamEnd | str | None = None  # known from the events, or client_left
+        self.watch: EndWatch | None = None  # set for the Responses and Anthropic dialects
+
+    def finished(self) -> bool:
+        """The upstream's body, as relayed raw, ended its stream cleanly (`EndWatch`)."""
+        if self.watch is None:
+            return self.tail.endswith(DONE_EVENT)
+        return self.watch.done
 
     def feed(self, data: bytes) -> bool:
         if self.end is not None:
             return True
-        now = clock.monotonic()
-        timer = self.timer
-        gap = now - timer.last
-        timer.last = now
-        self._itl.observe(gap)
-        replica = self.replica
-        replica.observe_itl(gap)
-        replica.chunks_relayed += 1
+        self._arrived()
         self.ctx.stream.events += data.count(b"data:")
         end: StreamEnd | None = None
         if self._filter:
@@ -455,6 +518,40 @@ class _Feed:
             if ABORT_MARK in joined:
                 self.ctx.stream.aborted = True
             self.tail = joined[-_TAIL:]
+        return self._send(out, end)
+
+    def feed_marked(self, data: bytes) -> bool:
+        """`feed` for the Responses and Anthropic dialects, whose end is an event of their
+        own (`EndWatch`), not a trailing `[DONE]`."""
+        if self.end is not None:
+            return True
+        self._arrived()
+        end: StreamEnd | None = None
+        watch = self.watch
+        assert watch is not None
+        if self._filter:
+            events = self._sse.feed(data)
+            watch.events += len(events)
+            out, end = self._relay._filter(self.ctx, events)
+        else:
+            out = data
+            watch.see(data)
+        return self._send(out, end)
+
+    def _arrived(self) -> None:
+        """A read arrived: the inter-token gap goes to the metrics, the replica's ITL
+        average and the idle timer."""
+        now = clock.monotonic()
+        timer = self.timer
+        gap = now - timer.last
+        timer.last = now
+        self._itl.observe(gap)
+        replica = self.replica
+        replica.observe_itl(gap)
+        replica.chunks_relayed += 1
+
+    def _send(self, out: bytes, end: StreamEnd | None) -> bool:
+        """Write `out` to the client as one HTTP chunk; False ends the relay."""
         if out:
             transport = self.transport
             if transport.is_closing():

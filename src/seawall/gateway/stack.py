@@ -15,6 +15,7 @@ from aiohttp import web
 from seawall.errors import ApiError, clip, unavailable
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_admission import FleetAdmission
+from seawall.gateway.frontdoor import safe_request_id
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.tenancy import Tenancy
 from seawall.protocol.openai import parse
@@ -48,10 +49,32 @@ def admission_stack(
         tenancy.authenticate(request.headers, ctx)
 
     async def read_body(request: web.Request, ctx: RequestCtx) -> None:
-        ctx.req = parse(ctx.route, await _read(request, max_body_bytes))
+        raw = await _read(request, max_body_bytes)
+        req = ctx.req = parse(ctx.route, raw, request.headers.get("Content-Type"))
+        body_id = req.obj.get("request_id")
+        if "X-Request-Id" not in request.headers and isinstance(body_id, str):
+            # vLLM names a response after the body's request_id unless an X-Request-Id
+            # header says otherwise; the gateway's own id, sent as that header, would.
+            ctx.request_id = safe_request_id(body_id) or ctx.request_id
+            if ctx.span is not None:  # the request's span was opened under the old id
+                ctx.span.span.set_attribute("seawall.request_id", ctx.request_id)
 
     async def known_model(request: web.Request, ctx: RequestCtx) -> None:
-        model = ctx.model
+        req = ctx.req
+        assert req is not None
+        if not req.model:
+            # vLLM serves its one model when a request names none; so does a gateway
+            # whose fleet serves one (the body goes on unchanged).
+            models = replicas.models()
+            if len(models) != 1:
+                raise ApiError(
+                    400,
+                    "`model` is required: this gateway serves "
+                    f"{', '.join(models) or 'no model yet'}.",
+                    param="model",
+                )
+            req.model = models[0]
+        model = req.model
         if not replicas.serves(model):
             raise ApiError(
                 404,
@@ -89,13 +112,20 @@ def admission_stack(
             "read (bounded by limits.max_body_bytes) and parse only for a known caller; "
             "bad input is refused before anything is spent upstream",
         ),
-        Step("model", known_model, "a model the fleet does not serve can never succeed"),
+        Step(
+            "model",
+            known_model,
+            "a model the fleet does not serve can never succeed; a request naming none "
+            "goes to the fleet's only model, as vLLM serves its own",
+        ),
         Step(
             "tier_limits",
             tier_limits,
-            "prompt and max_tokens limits, a byte bound before any counting: a request that "
-            "can never be served is refused before it takes a concurrency slot or a token "
-            "budget (it is still charged to the request rate, so a flood of them is not free)",
+            "prompt, max_tokens and structured-output schema limits, a byte bound before any "
+            "counting: a request that can never be served is refused before it takes a "
+            "concurrency slot or a token budget (it is still charged to the request rate, so "
+            "a flood of them is not free); the route's count rule (protocol/routes.py) says "
+            "what its prompt costs",
         ),
         Step(
             "rates",

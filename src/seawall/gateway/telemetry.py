@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from seawall.config import ConfigError, TelemetryConfig
+from seawall.protocol.routes import ROUTES
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -147,7 +148,7 @@ class Tracing:
             kind=SpanKind.SERVER,
             attributes={
                 "http.request.method": method,
-                "http.route": _ROUTES.get(route, route),
+                "http.route": ROUTES[route].path if route in ROUTES else route,
                 "seawall.request_id": request_id,
             },
         )
@@ -156,9 +157,6 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is batched and stop (blocking: run it off the event loop)."""
         self.provider.shutdown()
-
-
-_ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 class RequestSpan:

@@ -26,6 +26,7 @@ from seawall.gateway.context import RequestCtx
 from seawall.metrics import Metrics
 from seawall.policy.limits import Reject, TierLimits, check_request
 from seawall.policy.pools import TierPools
+from seawall.protocol.structured import check_constraints
 from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
@@ -123,36 +124,51 @@ class Tenancy:
     async def tier_limits(self, ctx: RequestCtx) -> None:
         req = ctx.req
         assert req is not None
+        spec = req.spec  # the route's rules: count, output bound, KV, migration
         policy = _pinned(ctx)
         tier = policy.tiers[ctx.tier]
         limits = policy.limits[ctx.tier]
-        ctx.stream.migrate = ctx.stream.track_text = tier.migrate and req.stream and req.n == 1
-        prompt_param = "messages" if req.route == "chat" else "prompt"
+        ctx.stream.migrate = ctx.stream.track_text = (
+            tier.migrate and spec.migratable and req.stream and req.n == 1
+        )
         # The cost of looking is bounded before anything is counted: a body over the
-        # tier's byte bound cannot hold a prompt the tier allows (issue 11, item 5).
-        too_big = check_prompt_bytes(len(req.raw), tier.prompt_bytes_limit())
+        # tier's byte bound cannot hold a prompt the tier allows (issue 11, item 5). An
+        # upload's bytes are not prompt text: limits.max_body_bytes bounds those.
+        too_big = (
+            check_prompt_bytes(len(req.raw), tier.prompt_bytes_limit())
+            if spec.body == "json"
+            else None
+        )
+        if too_big is None and req.constraints:
+            too_big = check_constraints(
+                req.constraints, tier.max_schema_nodes, tier.max_schema_depth
+            )
         if too_big is not None:
             await self._refused(ctx)
             raise too_big
         # Count only when a limit needs the count; large bodies off the event loop.
-        reserve = self.admission.reserves_kv
+        reserve = self.admission.reserves_kv and spec.reserves_kv
         needs_count = (
             reserve or limits.max_prompt_tokens is not None or limits.prompt_tokens_per_min
         )
         counter = self.counters.get(req.model, self.estimate)
         count = await count_request_async(req, counter) if needs_count else None
-        requested = req.requested_max_tokens()
+        requested = req.requested_max_tokens() if spec.generates else None
+        if requested == 0:
+            requested = 1  # completions' `echo` with `max_tokens: 0`: the engine runs one step
         # Limits, rates and reservations count every prompt of a batch (and reservations
         # every choice): a batch is as much work as its prompts sent one by one.
         decision = check_request(
-            count.prompt_tokens if count else 0, requested, limits, prompt_param
+            count.prompt_tokens if count else 0, requested, limits, spec.prompt_param
         )
         if isinstance(decision, Reject):
             await self._refused(ctx)
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
-        if decision.max_tokens != requested:
-            req.set(req.max_tokens_field(), decision.max_tokens)
         ctx.prompt_tokens = count.prompt_tokens if count else 0
+        if not spec.generates:
+            return  # no output to bound, no KV held past the forward pass
+        if decision.max_tokens != requested:
+            req.set(req.max_tokens_field(), decision.max_tokens)  # a default, or clamped
         if reserve and count is not None:
             # vLLM clamps prompt + max_tokens to max_model_len, so no sequence grows past it.
             ctx.reserve_tokens = count.kv_tokens(decision.max_tokens, self.max_model_len(req.model))
@@ -201,7 +217,12 @@ class Tenancy:
             raise denied_error(got)
         ctx.lease = got
         ctx.reconcile = bool(limits.prompt_tokens_per_min)
-        if req.stream and limits.prompt_tokens_per_min and not req.include_usage:
+        if (
+            req.stream
+            and limits.prompt_tokens_per_min
+            and req.spec.stream_options
+            and not req.include_usage
+        ):
             # Reconciliation needs the engine's usage; ask for it and strip it again.
             opts = req.obj.get("stream_options")
             req.set(

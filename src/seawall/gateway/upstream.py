@@ -27,7 +27,7 @@ from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool, Sink
 from seawall.gateway.outcomes import Attempt, Failure
 from seawall.gateway.replicas import Replica
 from seawall.protocol.openai import ParsedRequest
-from seawall.protocol.sse import Event, Kind, SSEBuffer, classify
+from seawall.protocol.sse import CLASSIFY, Event, Kind, SSEBuffer
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Hold
@@ -141,9 +141,17 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def upstream_headers(
-    replica: Replica, request_id: str, trace: Mapping[str, str] | None = None
+    replica: Replica,
+    request_id: str,
+    trace: Mapping[str, str] | None = None,
+    content_type: str | None = None,
 ) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    """The headers sent with a request. `content_type`: the client's, forwarded as given
+    (a multipart boundary must reach the engine, and vLLM answers a body labelled
+    `text/plain` as it would have answered the client); none given: `application/json`,
+    since the gateway has read the body as JSON (vLLM would refuse it; see
+    docs/engines-reference.md §8)."""
+    headers = {"Content-Type": content_type or "application/json", "X-Request-Id": request_id}
     if replica.api_key:
         headers["Authorization"] = f"Bearer {replica.api_key}"
     if trace:
@@ -196,9 +204,8 @@ async def open_attempt(
     conn: H1Connection | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            conn = await pool.request(
-                replica.endpoint, path, upstream_headers(replica, request_id, trace), body
-            )
+            headers = upstream_headers(replica, request_id, trace, req.content_type)
+            conn = await pool.request(replica.endpoint, path, headers, body)
             if conn.status != 200:
                 raise await _http_failure(conn)
             if not req.stream:
@@ -206,6 +213,7 @@ async def open_attempt(
                 now = clock.monotonic()
                 return Opened(replica, conn, [], SSEBuffer(), data, started, now)
             sse = SSEBuffer()
+            classify = CLASSIFY[req.dialect]
             head: list[Event] = []
             while True:
                 chunk = await conn.read()
@@ -266,7 +274,7 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
             retry_after_s=parse_retry_after(conn.headers.get("retry-after")),
             content_type=ctype,
         )
-    if status >= 500:
+    if status >= 500 and status != 501:
         return _failed(Attempt.http_5xx, message, status=status, body=body, content_type=ctype)
     if 300 <= status < 400:
         # Not followed: a replica URL that redirects is misconfigured (http -> https, a
@@ -276,12 +284,20 @@ async def _http_failure(conn: H1Connection) -> AttemptFailed:
             Attempt.redirect,
             f"{message}, redirecting to {where}: set the replica's URL to that address",
         )
+    # 4xx, and 501: the engine cannot do this at all (vLLM's NotImplementedError, a
+    # generative model asked for the Responses API; llama.cpp asked for audio without an
+    # audio model): the request's fault on this fleet, relayed as the engine wrote it.
     return _failed(Attempt.http_4xx, message, status=status, body=body, content_type=ctype)
 
 
 def _error_message(ev: Event) -> str:
     """The engine's message from an error event (classify has parsed it when it could)."""
-    error = ev.obj.get("error") if ev.obj else None
+    obj = ev.obj or {}
+    error = obj.get("error")
+    if not isinstance(error, dict) and isinstance(obj.get("response"), dict):
+        error = obj["response"].get("error")  # the Responses API's response.failed
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])
+    if obj.get("message"):
+        return str(obj["message"])  # the Responses API's error event
     return "upstream error event"

@@ -18,6 +18,10 @@ unknown part types (as their JSON text), `tools`, `functions`, `documents`, a cl
 `chat_template` and its kwargs, token-id prompts, and every prompt of a batch, with
 `suffix`. `count_request` also says how many sequences a request will produce (prompts
 x `n`), since a batch of 200 prompts returned 200 choices while admission counted one.
+The other routes the gateway passes through are counted by their own rule
+(`protocol/routes.py` `Count`): the Responses API's `instructions` + `input` items, the
+Messages API's `system` + `messages`, pooling inputs, every scored (query, document)
+pair, a fixed charge per uploaded audio file, and nothing for the tokenizer routes.
 
 Cost (issue 11, item 5): a 3.8 MB prompt took ~0.3 s to count on the event loop. Two
 defences live here: `max_prompt_bytes`, a byte bound derived from a tier's token limit
@@ -49,6 +53,7 @@ import orjson
 
 from seawall.errors import ApiError, bad_request
 from seawall.protocol.openai import ParsedRequest
+from seawall.protocol.routes import Count
 
 
 class TokenCounter(Protocol):
@@ -386,10 +391,31 @@ def count_completion_prompt(
 
 def count_request(req: ParsedRequest, counter: TokenCounter) -> PromptCount:
     """Everything `ParsedRequest` will cost in prompt tokens and sequences (400 for a
-    shape that would reach the engine uncounted)."""
+    shape that would reach the engine uncounted), by its route's rule
+    (`protocol.routes.Count`)."""
     obj = req.obj
-    if req.route == "chat":
+    rule = req.spec.count
+    if rule is Count.chat:
         return PromptCount((count_chat_prompt(obj["messages"], counter, obj),), req.n)
+    if rule is Count.completion:
+        return _count_completion(req, counter)
+    if rule is Count.responses:
+        return PromptCount((count_responses_prompt(obj, counter),), 1)
+    if rule is Count.messages:
+        return PromptCount((count_messages_prompt(obj, counter),), 1)
+    if rule is Count.pooling:
+        return PromptCount(pooling_input_tokens(obj, counter), 1)
+    if rule is Count.score:
+        return PromptCount(score_pair_tokens(obj, counter), 1)
+    if rule is Count.audio:
+        prompt = obj.get("prompt")
+        text = counter.count_text(prompt) if isinstance(prompt, str) else 0
+        return PromptCount((req.uploads * MEDIA_TOKENS["audio"] + text,), 1)
+    return PromptCount((0,), 1)  # Count.none: the tokenizer only, no forward pass
+
+
+def _count_completion(req: ParsedRequest, counter: TokenCounter) -> PromptCount:
+    obj = req.obj
     suffix = obj.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise bad_request("`suffix` must be a string.", "suffix")
@@ -409,6 +435,117 @@ def count_request(req: ParsedRequest, counter: TokenCounter) -> PromptCount:
     if not per_prompt:
         raise bad_request("`prompt` is required.", "prompt")
     return PromptCount(per_prompt, req.n)
+
+
+# The passed-through routes. A field that is absent counts nothing (the engine refuses
+# what it needs and lacks); a field of a shape that could reach the prompt uncounted is
+# refused with a 400 naming it.
+
+
+def _system_message(system: Any, param: str) -> dict[str, Any]:
+    if not isinstance(system, str | list):
+        raise bad_request(f"`{param}` must be a string or a list of content parts.", param)
+    return {"role": "system", "content": system}
+
+
+def count_responses_prompt(obj: Mapping[str, Any], counter: TokenCounter) -> int:
+    """Prompt tokens of a `/v1/responses` request: `instructions` as a system message,
+    `input` (a string, or items: messages with text/image parts, tool calls and their
+    outputs, each counted as chat counts a message) and `tools`."""
+    messages: list[Any] = []
+    if obj.get("instructions") is not None:
+        messages.append(_system_message(obj["instructions"], "instructions"))
+    items = obj.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if not isinstance(item, Mapping):
+                raise bad_request("Each `input` item must be an object.", "input")
+            messages.append(item)
+    elif items is not None:
+        raise bad_request("`input` must be a string or a list of items.", "input")
+    return count_chat_prompt(messages, counter, obj)
+
+
+def count_messages_prompt(obj: Mapping[str, Any], counter: TokenCounter) -> int:
+    """Prompt tokens of an Anthropic `/v1/messages` request: `system`, `messages` (text,
+    image, tool_use and tool_result blocks) and `tools`."""
+    messages: list[Any] = []
+    if obj.get("system") is not None:
+        messages.append(_system_message(obj["system"], "system"))
+    given = obj.get("messages")
+    if given is not None:
+        if not isinstance(given, list):
+            raise bad_request("`messages` must be a list.", "messages")
+        messages.extend(given)
+    return count_chat_prompt(messages, counter, obj)
+
+
+def pooling_input_tokens(obj: Mapping[str, Any], counter: TokenCounter) -> tuple[int, ...]:
+    """Prompt tokens of each input of an embeddings or pooling request: `input` in the
+    completion prompt's shapes (text, token ids, a batch of either) or as chat messages
+    (one conversation, or a batch of them), or `messages`."""
+    if obj.get("messages") is not None:
+        return (count_chat_prompt(obj["messages"], counter),)
+    given = obj.get("input")
+    if given is None:
+        return (0,)
+    if isinstance(given, list) and given and all(isinstance(m, Mapping) for m in given):
+        return (count_chat_prompt(given, counter),)
+    if (
+        isinstance(given, list)
+        and given
+        and all(isinstance(c, list) and c and all(isinstance(m, Mapping) for m in c) for c in given)
+    ):
+        return tuple(count_chat_prompt(c, counter) for c in given)
+    try:
+        return completion_prompt_tokens(given, counter)
+    except ApiError:
+        raise bad_request(
+            "`input` must be text, token ids, a list of either, or chat messages.", "input"
+        ) from None
+
+
+def _score_items(value: Any, counter: TokenCounter, param: str) -> list[int]:
+    """Tokens of each item of one side of a scoring request (a text or a multimodal
+    object, or a list of them)."""
+    items = value if isinstance(value, list) else [value]
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(counter.prompt_overhead_tokens + counter.count_text(item))
+        elif isinstance(item, Mapping) and isinstance(item.get("content"), list):
+            out.append(_content_tokens(item["content"], counter))
+        elif item is not None:
+            out.append(counter.count_text(_json_text(item, param)))
+    return out
+
+
+# The two sides of each scoring request shape vLLM 0.33 accepts (pooling/scoring).
+_SCORE_SIDES = (
+    ("query", "documents"),
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("text_1", "text_2"),
+    ("data_1", "data_2"),
+)
+
+
+def score_pair_tokens(obj: Mapping[str, Any], counter: TokenCounter) -> tuple[int, ...]:
+    """Prompt tokens of every (query, document) pair the engine will score: one query
+    against N documents is N pairs, N queries against N documents are N pairs."""
+    for left, right in _SCORE_SIDES:
+        if obj.get(left) is None and obj.get(right) is None:
+            continue
+        queries = _score_items(obj.get(left), counter, left)
+        documents = _score_items(obj.get(right), counter, right)
+        if len(queries) == 1:
+            return tuple(queries[0] + d for d in documents) or (queries[0],)
+        if len(queries) == len(documents):
+            return tuple(q + d for q, d in zip(queries, documents, strict=True))
+        return tuple(q + d for q in queries for d in documents) or tuple(queries)
+    return (0,)
 
 
 _executor: ThreadPoolExecutor | None = None
