@@ -103,7 +103,8 @@ Admission, per request (`decide`):
    is the long-tail guard: a request that outgrew its estimate costs nothing until the
    cache is near full, and then nothing new is added before the engine must preempt.
 4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
-   engine queues what does not fit; this gateway cannot make that worse).
+   engine queues what does not fit; this gateway cannot make that worse), unless this
+   gateway holds only a share of it (`quota` < 1): the others may fill the rest.
 Tiers: a request of priority p (0 most important) yields `tier_step` x (p - top) of the
 limit and of `kv_high` to the most important tier `top` with requests in flight on the
 replica, so lower tiers are refused first as the cache fills; a tier with nothing in
@@ -118,9 +119,10 @@ Across gateways (issue 15). An engine's gauges see every gateway's requests; one
 gateway's reservations see only its own. Everything here that reads the engine (outgrown,
 near full, preemptions) is already fleet-wide, and its errors with several gateways are
 toward caution (others' usage reads as our requests outgrowing their estimates). What
-a single gateway cannot know is the others' reservations: `decide` takes them as a value,
-so a shared count (the same five sums per replica, kept in Redis) or a leader-issued
-`quota` (this gateway's share of the replica) plugs in without changing this module.
+a single gateway cannot know is the others' reservations: `decide` takes this gateway's
+share of the replica, `quota` (leader-issued: `policy.quota`), and holds its own
+reservations within that share, so the gateways' reservations together stay within the
+limit while the engine's gauges keep judging the replica as a whole.
 """
 
 from __future__ import annotations
@@ -622,8 +624,9 @@ class ReplicaAdmission:
         # A tier with nothing in flight here is judged as the top one: never starved.
         yields = 0 if top is None or reserved.count(p) == 0 else max(0, p - top)
         share = max(0.0, 1.0 - cfg.tier_step * yields)
+        quota = min(max(quota, 0.0), 1.0)
         limit = capacity * cfg.kv_target * share * quota
-        if reserved.requests == 0:
+        if reserved.requests == 0 and quota >= 1.0:
             return Admit(wanted, limit)  # alone: the engine queues what does not fit
         if wanted > limit:
             self._refused_at = now
@@ -643,10 +646,11 @@ class ReplicaAdmission:
                 ),
                 n,
             )
+            of = "" if quota >= 1.0 else f" of this gateway's {quota:.0%} share"
             return Hold(
                 HoldKind.reserved,
                 f"{wanted:.0f} KV blocks would be reserved at reserve level {level:+.2f}, "
-                f"over the {limit:.0f} this replica gives priority {p}",
+                f"over the {limit:.0f}{of} this replica gives priority {p}",
                 self._retry_after(k, reserved, now),
             )
         kv = load.kv_usage

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -275,10 +276,12 @@ class RedisLimits:
         socket_timeout_s: float = 0.1,
         reconnect_interval_s: float = 2.0,
         clock: Literal["server", "caller"] = "server",
+        instances: Callable[[], int] = lambda: 1,
     ) -> None:
         if fail_mode not in ("open", "closed"):
             raise ValueError(f"fail_mode must be 'open' or 'closed', not {fail_mode!r}")
         self.fail_mode = fail_mode
+        self.instances = instances  # gateway instances sharing the limits (the role manager's)
         self.key_prefix = key_prefix
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_interval_s = reconnect_interval_s
