@@ -212,7 +212,7 @@ class AdmissionControl:
         r.load = load
         if load.kv_block_size:
             r.block_size = load.kv_block_size
-        r.controller.observe(load, r.reserved, now)
+        r.controller.observe(load, r.reserved, now, self.quota_of(replica_id))
         if self.metrics is not None:
             cause = r.controller.cause.value
             old = self._labels.get(replica_id)
