@@ -350,10 +350,12 @@ async def test_redis_outage_fails_open_or_closed_and_recovers(
         assert sum(isinstance(r, Lease) for r in up) >= 20
         assert all(not d for p, _, d in results if p == "up")
 
-    # Down, fail-open: admitting again from a per-process bucket with the same limits.
+    # Down, fail-open: decided by a per-process bucket that continues the shared one
+    # from the level Redis last reported (spent here), not a fresh full one: at most
+    # what the limit refilled meanwhile, and no request refused for the backend.
     down_open = in_phase(opened, "down")
     admitted_down = sum(isinstance(r, Lease) for r in down_open)
-    assert 1 <= admitted_down <= 20 + 20 / 60 * down_elapsed_s + 1
+    assert admitted_down <= 20 / 60 * (down_elapsed_s + 1.0) + 1
     assert all(d for p, _, d in opened if p == "down")
     assert all(isinstance(r, Lease) or r.reason == "requests_per_min" for r in down_open)
     # Down, fail-closed: every request is refused as backend_unavailable.
@@ -408,7 +410,9 @@ async def test_an_unresponsive_redis_is_probed_once_per_interval_not_per_request
         await server.wait_closed()
     assert backend.degraded
     assert all(isinstance(r, Denied) and r.reason == "backend_unavailable" for r in results)
-    assert len(connections) == 3  # at 0 s, 1 s and 2 s of caller time
+    # The first `failures_to_degrade` requests each try (one failure is not an outage),
+    # then one probe at 1 s and one at 2 s of caller time.
+    assert len(connections) == backend.failures_to_degrade + 2
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -446,9 +450,11 @@ async def test_an_acquire_that_timed_out_during_a_redis_pause_leaves_no_lease(
         redis_server.proc.signal(signal.SIGSTOP)
         try:
             during = await backend.acquire("acme", limits, 0, clock.monotonic())
-            assert backend.degraded
         finally:
             redis_server.proc.signal(signal.SIGCONT)
+        # Decided without Redis (one timeout: not yet an outage).
+        if fail_mode == "closed":
+            assert isinstance(during, Denied) and during.reason == "backend_unavailable"
         if isinstance(during, Lease):  # fail-open: a per-process lease, released as usual
             await backend.release(during, None, clock.monotonic())
         # The acquire Redis ran late must not keep the slot: within a few reconnect

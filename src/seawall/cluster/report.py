@@ -6,8 +6,12 @@ anything in flight on the replica, and the watchdog sees every instance's stream
 relayed chunks, not only its own.
 
 Seams for features built on this (fill them, the transport carries them as they are):
-- `ReplicaReport.demand`: what this instance would like of the replica (e.g. the KV
-  blocks its queued requests need); the leader reads it to size per-instance grants.
+- `ReplicaReport.demand`: what this instance holds of the replica and would like of it,
+  per resource (the keys below); the leader reads it to size per-instance grants
+  (`policy.quota`, `gateway/fleet_quota.py`). `*_held` is what it has reserved there
+  now; `*_wanted` adds what waits in its admission queue or was refused for room in the
+  last few seconds. KV in blocks (at the reserve level its admission uses), sequences
+  in requests.
 - `InstanceReport.extra`: any further per-instance figures (e.g. retry-budget spend).
 
 `view_epoch`/`view_seq` say which published view the instance applied last: the leader
@@ -26,6 +30,12 @@ from typing import Any
 import orjson
 
 REPORT_VERSION = 1
+
+# `ReplicaReport.demand` keys (see the module docstring).
+KV_HELD = "kv_held"
+KV_WANTED = "kv_wanted"
+SEQS_HELD = "seqs_held"
+SEQS_WANTED = "seqs_wanted"
 
 
 @dataclass(frozen=True, slots=True)

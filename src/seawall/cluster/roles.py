@@ -31,9 +31,11 @@ simply succeed again.
 Operator actions on a follower go to the leader (`operator_route()`: act here, forward
 to the leader's admin URL from the lease, or no leader reachable).
 
-Seams: `instance_count()` (budgets sized as fleet/N); `quotas()` (this instance's entry
-in the view's `quotas`, which the leader fills through `hooks.quotas`); the reports'
-`demand` (filled through `hooks.replica_reports`).
+Seams: `instance_count()` (budgets sized as fleet/N, and `hooks.instances_changed` when
+it changes); `quotas()` (this instance's entry in the view's `quotas`, which the leader
+fills through `hooks.quotas`, as it publishes the view `publishing`; `all_quotas()` is
+the whole map, for a new leader to carry on from); the reports' `demand` (filled through
+`hooks.replica_reports`; `applied` is the view a report confirms).
 
 Must not: decide anything about replicas (the monitor does), sit on the request path
 (everything here runs in its own tasks; reads are attribute reads), or read the clock
@@ -90,6 +92,8 @@ class RoleHooks:
     # Fail-static, with a view older than `view_stale_s`: keep it, without its stale
     # engine readings (`FleetMonitor.hold_view`); called every poll while it lasts.
     hold_view: Callable[[], None] = lambda: None
+    # The number of live instances changed (budgets that are a share of the fleet's).
+    instances_changed: Callable[[int], None] = lambda n: None
 
 
 class ClusterMetricFamilies(Protocol):
@@ -318,6 +322,20 @@ class RoleManager:
         """This instance's entry in the last view's `quotas` (None if it has none)."""
         return None if self._view is None else self._view.quotas.get(self.instance)
 
+    def all_quotas(self) -> Mapping[str, Any]:
+        """Every instance's entry in the last view this instance applied or published."""
+        return {} if self._view is None else self._view.quotas
+
+    @property
+    def applied(self) -> tuple[int, int]:
+        """(epoch, seq) of the last view this instance applied (or, leading, published)."""
+        return self._applied
+
+    @property
+    def publishing(self) -> tuple[int, int]:
+        """(epoch, seq) of the view being published: valid inside `hooks.quotas`."""
+        return (self._epoch, self._seq)
+
     def status(self) -> ClusterStatus:
         self._assess()
         lease = self._lease
@@ -466,8 +484,11 @@ class RoleManager:
             # A store that just came back (perhaps empty) fills up again as instances
             # heartbeat: until each had its turn, a smaller count is not news.
             live = max(live, self._instances)
+        changed = live != self._instances
         self._instances = live
         self.peers.update(reports)
+        if changed:
+            self.hooks.instances_changed(live)
 
     async def _election_loop(self) -> None:
         while True:

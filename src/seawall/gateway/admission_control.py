@@ -19,14 +19,19 @@ request path's shape can change around it:
   then), which also learns the completion's length from the engine's usage or the relayed
   events.
 
+With several gateways (issue 15) each admits within its share of the replica, the
+leader's grant (`gateway/fleet_quota.py`): `saturation` takes it as `quota`, and
+`quota_of` (set by fleet admission) gives it to the Retry-After estimate;
+`reserved_blocks` is what this gateway reports as holding there.
+
 Must not: block, read the clock (the caller passes `now`), or decide anything itself: the
-rules are the policy module's. With several gateways (issue 15) the `Reservations` kept
-here become a shared count; nothing else here changes.
+rules are the policy module's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +119,8 @@ class AdmissionControl:
         self.lengths = lengths or OutputLengths()
         self._replicas: dict[str, _Replica] = {}
         self._labels: dict[str, str] = {}  # replica -> cause label last exported
+        # This gateway's share of a replica (1.0 alone; the fleet leader's grant otherwise).
+        self.quota_of: Callable[[str], float] = lambda replica_id: 1.0
 
     def _replica(self, replica_id: str) -> _Replica:
         r = self._replicas.get(replica_id)
@@ -142,17 +149,24 @@ class AdmissionControl:
         ctx.admission = AdmissionTicket(self, demand, key)
 
     def saturation(
-        self, replica_id: str, load: EngineLoad, now: float, need_tokens: int, in_flight: int
+        self,
+        replica_id: str,
+        load: EngineLoad,
+        now: float,
+        need_tokens: int,
+        in_flight: int,
+        quota: float = 1.0,
     ) -> str | None:
         """None when the replica may take the request, else why not. A plain int (no
         demand attached: the admin view, a probe) is judged as a request of that many
         tokens with no estimate. `in_flight`: the ledger's count of attempts open there
-        (fewer than this gateway has bound means some were released)."""
+        (fewer than this gateway has bound means some were released). `quota`: this
+        gateway's share of the replica."""
         r = self._replica(replica_id)
         if len(r.bound) > in_flight:
             self._purge(replica_id, r, now)
         self._observe(replica_id, r, load, now)
-        decision = r.controller.decide(_demand_of(need_tokens), r.reserved, load, now)
+        decision = r.controller.decide(_demand_of(need_tokens), r.reserved, load, now, quota)
         if isinstance(decision, Admit):
             return None
         return decision.reason
@@ -163,8 +177,19 @@ class AdmissionControl:
         r = self._replicas.get(replica_id)
         if r is None or r.load is None:
             return None
-        decision = r.controller.decide(_demand_of(need_tokens), r.reserved, r.load, now)
+        decision = r.controller.decide(
+            _demand_of(need_tokens), r.reserved, r.load, now, self.quota_of(replica_id)
+        )
         return decision if isinstance(decision, Hold) else None
+
+    def reserved_blocks(self, replica_id: str, now: float) -> float:
+        """What this gateway holds on the replica, in blocks at the level it admits at
+        (what it reports to the fleet leader as its demand's `held`)."""
+        r = self._replicas.get(replica_id)
+        if r is None or not r.reserved.requests:
+            return 0.0
+        level = r.controller.effective_level(r.load, now) if r.load is not None else 1.0
+        return r.reserved.total_at(level, self.config.spread_z)
 
     def retry_after_s(self, replica_ids: list[str], need_tokens: int, now: float) -> float | None:
         """When the request could next be admitted somewhere: the soonest over the
@@ -187,7 +212,7 @@ class AdmissionControl:
         r.load = load
         if load.kv_block_size:
             r.block_size = load.kv_block_size
-        r.controller.observe(load, r.reserved, now)
+        r.controller.observe(load, r.reserved, now, self.quota_of(replica_id))
         if self.metrics is not None:
             cause = r.controller.cause.value
             old = self._labels.get(replica_id)

@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from seawall import __version__, clock
 from seawall.actuate.base import Actuator, DrainReport, ReplicaRef
 from seawall.auth import hash_key
-from seawall.cluster.report import ReplicaReport
+from seawall.cluster.report import InstanceReport, ReplicaReport
 from seawall.cluster.roles import ActHere, OperatorRoute, RoleHooks, RoleManager
 from seawall.cluster.store import ClusterStore
 from seawall.config import DEFAULT_POOL, ClusterConfig, ConfigError, GatewayConfig, ReplicaConfig
@@ -62,6 +62,7 @@ from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.fleet_admission import FleetAdmission
+from seawall.gateway.fleet_quota import KV, SEQS, Grants, QuotaIssuer
 from seawall.gateway.frontdoor import FrontDoor
 from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
@@ -147,6 +148,8 @@ class Gateway:
                     admin_url=self._advertised_admin_url,
                     hold_view=lambda: self.monitor.hold_view(),
                     report_extra=self._cluster_extra,
+                    quotas=self._cluster_quotas,
+                    instances_changed=self._cluster_instances_changed,
                 ),
                 timing=cc,
                 metrics=m,
@@ -185,7 +188,9 @@ class Gateway:
         self._retiring: dict[str, asyncio.Task[None]] = {}  # removed by a reload, draining
         self._after_retire: dict[str, ReplicaConfig] = {}  # moved: joins once drained
 
-        # Budgets and the upstream.
+        # Budgets and the upstream. With several instances each holds its share of the
+        # fleet's reserve (resized as instances come and go: `_cluster_instances_changed`),
+        # starting empty until it knows how many share it.
         r = config.retry
         self.budget = RetryBudget(
             ratio=r.budget_ratio,
@@ -194,6 +199,7 @@ class Gateway:
             ttl_s=r.budget_ttl_s,
             max_balance=r.budget_max_balance,
             now=clock.monotonic(),
+            reserve_full=self.cluster is None,
         )
         m.retry_budget.set_function(lambda: self.budget.level(clock.monotonic()))
         # The request path's upstream connections (hand-written, see h1.py); `session`
@@ -209,6 +215,8 @@ class Gateway:
             key_prefix=rate.key_prefix,
             # A lease outlives the longest request, so only a crashed gateway's leases expire.
             lease_ttl_s=config.timeouts.total_s + 60.0,
+            # A fail-open fallback holds this instance's share of each limit.
+            instances=self.instance_count,
         )
         self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
         # Pools: which group of replicas a request may use (gateway/pools.py).
@@ -224,6 +232,13 @@ class Gateway:
                 m.pool_info.labels(name, str(pc.priority), pc.mode).set(1)
         self.monitor.subscribe(lambda snap: self._observe_pools())
         self.fleet_admission = FleetAdmission(config.admission, self.replicas, m, self.pools)
+        # Several instances: each admits within the leader's grants (gateway/fleet_quota.py);
+        # the leader divides what its own snapshot says each replica holds.
+        self.quota_issuer: QuotaIssuer | None = None
+        if self.cluster is not None and config.admission.enabled:
+            self.fleet_admission.use_grants(Grants(self.cluster.quotas))
+            # A vanished instance's share stays counted one member TTL past its own.
+            self.quota_issuer = QuotaIssuer(self._quota_capacities, 2 * cc.member_ttl_s)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
         self.monitor.subscribe(self.fleet_admission.on_snapshot)  # adaptive admission
         warn_if_open(config)
@@ -673,7 +688,11 @@ class Gateway:
     def cluster_status(self) -> dict[str, Any]:
         if self.cluster is None:
             return {"role": "leader", "store": "none", "fail_static": False, "instances": 1}
-        return {"store": self.config.cluster.store, **self.cluster.status().to_json()}
+        return {
+            "store": self.config.cluster.store,
+            **self.cluster.status().to_json(),
+            "quota": self.quota_figures(),
+        }
 
     def operator_route(self) -> OperatorRoute:
         """Where an operator action sent to this instance's admin API is carried out."""
@@ -833,12 +852,71 @@ class Gateway:
 
     async def _cluster_promote(self) -> None:
         self.replicas.outlier_rule = None  # the leader's own probes judge the replicas
+        if self.quota_issuer is not None:
+            self.quota_issuer.reset()  # carries on from the last view's holds
         await self.monitor.lead()
         await self._start_discovery()
 
     async def _cluster_demote(self) -> None:
+        if self.quota_issuer is not None:
+            self.quota_issuer.reset()
         self.monitor.follow()
         self.replicas.outlier_rule = _outlier_rule(self.config.cluster)
+
+    def _cluster_quotas(self, reports: Mapping[str, InstanceReport]) -> Mapping[str, Any]:
+        """The leader's grants for the view being published (the role manager's hook):
+        the other instances' reports and this one's own, divided by `quota_issuer`."""
+        cluster, issuer = self.cluster, self.quota_issuer
+        if cluster is None or issuer is None:
+            return {}
+        epoch, seq = cluster.applied
+        own = InstanceReport(
+            instance=cluster.instance,
+            view_epoch=epoch,
+            view_seq=seq,
+            replicas=self._cluster_reports(),
+        )
+        everyone = {**reports, cluster.instance: own}
+        return issuer.issue(everyone, cluster.publishing, clock.monotonic(), cluster.all_quotas())
+
+    def _quota_capacities(self) -> dict[str, dict[str, int]]:
+        """What the leader divides per replica: its KV blocks as admission counts them
+        (times kv_reserve_max, or the adaptive kv_target), and `inflight_max` sequences."""
+        adm = self.config.admission
+        ratio = adm.adaptive.kv_target if adm.mode == "adaptive" else adm.kv_reserve_max
+        snap = self.monitor.snapshot()
+        out: dict[str, dict[str, int]] = {}
+        for r in self.replicas.all():
+            per: dict[str, int] = {}
+            view = snap.replicas.get(r.id)
+            load = view.load if view is not None else None
+            if ratio is not None and load is not None and load.kv_capacity_tokens:
+                blocks = load.kv_capacity_tokens / max(load.kv_block_size or 16, 1)
+                per[KV] = int(blocks * ratio + 1e-9)
+            if adm.inflight_max is not None:
+                per[SEQS] = adm.inflight_max
+            if per:
+                out[r.id] = per
+        return out
+
+    def _cluster_instances_changed(self, instances: int) -> None:
+        self.budget.share(instances, clock.monotonic())
+
+    def quota_figures(self) -> dict[str, Any]:
+        """This instance's grants and use per replica, and (on the leader) what it has
+        divided: for /readyz's cluster detail, the admin API and benchmarks."""
+        if self.cluster is None or self.fleet_admission.grants is None:
+            return {"enabled": False}
+        now = clock.monotonic()
+        grants = self.fleet_admission.grants.figures()
+        mine = {}
+        for r in self.replicas.all():
+            demand = self.fleet_admission.demand(r, now)
+            mine[r.id] = {"grant": grants.get(r.id), "demand": demand}
+        out: dict[str, Any] = {"enabled": True, "granted": bool(grants), "replicas": mine}
+        if self.cluster.leading and self.quota_issuer is not None:
+            out["divided"] = self.quota_issuer.figures()
+        return out
 
     def _cluster_apply_view(self, view: PublishedView) -> None:
         self._reconcile([p.spec for p in view.replicas])
@@ -854,7 +932,8 @@ class Gateway:
         return self.monitor.export_view(leader, epoch, seq, wall, dict(quotas))
 
     def _cluster_reports(self) -> dict[str, ReplicaReport]:
-        return replica_reports(self.replicas)
+        now = clock.monotonic()
+        return replica_reports(self.replicas, lambda r: self.fleet_admission.demand(r, now))
 
     def _cluster_extra(self) -> dict[str, Any]:
         """This instance's answers so far, for the leader's rollout report."""

@@ -10,6 +10,15 @@ step: when every usable replica is saturated it queues or sheds
 (`policy.admission.on_fleet_saturated`); the queue (`queue.py`) is woken when a slot is
 released or the fleet view changes.
 
+Several gateway instances (`use_grants`): this instance's reservations on a replica are
+judged against its own grant from the fleet leader (`gateway/fleet_quota.py`), not the
+whole cache, and its in-flight count against its share of `inflight_max`; before it has
+a grant on a replica it admits nothing there ("no grant yet": it queues or sheds, as for
+a saturated replica). With the store or the leader gone it keeps its last grant. The
+engine's own gauges (waiting queue, KV usage, preemptions), which see every instance's
+requests, are judged as before. `demand` is what this instance reports to the leader:
+what it holds on each replica and what waits in its queue or was refused lately.
+
 Must not: block on the fleet monitor (load comes from the published snapshot) or count
 anything the ledger counts.
 """
@@ -18,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
+from collections import Counter, deque
 
 from seawall import clock
+from seawall.cluster.report import KV_HELD, KV_WANTED, SEQS_HELD, SEQS_WANTED
 from seawall.config import AdmissionConfig
 from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
+from seawall.gateway.fleet_quota import Grants, ReplicaGrant
 from seawall.gateway.pools import PoolRouter
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
@@ -38,6 +49,14 @@ from seawall.policy.admission import (
     replica_saturated,
     retry_after_s,
 )
+
+NO_GRANT = (
+    "no share of this replica granted to this gateway instance yet "
+    "(the fleet leader grants one within a second or two)"
+)
+# Requests refused for want of room count as demand this long (what the leader divides
+# by): without it, an instance that sheds instead of queueing would never ask for more.
+REFUSED_DEMAND_S = 2.0
 
 
 class FleetAdmission:
@@ -74,8 +93,30 @@ class FleetAdmission:
         self.thresholds_adaptive = dataclasses.replace(
             self.thresholds, kv_usage_max=1.0, preemption_rate_max_per_s=math.inf
         )
+        # Several instances: the leader's grants (None: alone, the whole of each replica).
+        self.grants: Grants | None = None
+        self._queued: dict[str, Counter[int]] = {}  # model -> reserve tokens -> waiting
+        self._refused: deque[tuple[float, str, int]] = deque(maxlen=4096)
         if config.enabled:
             replicas.saturation = self.saturation
+
+    def use_grants(self, grants: Grants) -> None:
+        """Admit within the fleet leader's grants from now on (several instances)."""
+        self.grants = grants
+        # `inflight_max` becomes this instance's share of it (checked in `saturation`).
+        self.thresholds = dataclasses.replace(self.thresholds, inflight_max=None)
+        self.thresholds_reserving = dataclasses.replace(
+            self.thresholds_reserving, inflight_max=None
+        )
+        self.thresholds_adaptive = dataclasses.replace(self.thresholds_adaptive, inflight_max=None)
+        if self.control is not None:
+            control = self.control
+
+            def quota_of(replica_id: str) -> float:
+                g = grants.get(replica_id)
+                return 0.0 if g is None or g.kv_blocks is None else g.kv_share
+
+            control.quota_of = quota_of
 
     # -- the admission step ---------------------------------------------------------------
 
@@ -114,6 +155,7 @@ class FleetAdmission:
             decision = Queue(expected_wait_s=0.0)
         if not isinstance(decision, Queue):
             self.shed(ctx, "fleet_saturated")
+            self._refused.append((now, model, int(need)))
             retry_after = decision.retry_after_s
             if self.control is not None:  # the replicas' own drain, when it can tell
                 ids = [r.id for r in saturated]
@@ -131,17 +173,24 @@ class FleetAdmission:
             return bool(free)
 
         ctx.stage = "queued"
+        waiting = self._queued.setdefault(model, Counter())
+        waiting[int(need)] += 1
         try:
             admitted = await queue.wait(model, ctx.priority, room, deadline)
             ctx.queued_s = clock.monotonic() - now
         except Displaced:
             self.shed(ctx, "fleet_saturated")
+            self._refused.append((clock.monotonic(), model, int(need)))
             raise rate_limited(
                 f"Every replica serving `{model}` is saturated and a higher-priority request "
                 "took this one's place in the queue.",
                 self._retry_after_s(),
                 code="fleet_saturated",
             ) from None
+        finally:
+            waiting[int(need)] -= 1
+            if waiting[int(need)] <= 0:
+                del waiting[int(need)]
         if not admitted:
             self.shed(ctx, "queue_timeout")
             raise rate_limited(
@@ -181,6 +230,37 @@ class FleetAdmission:
             if view.load is not None and view.load.kv_capacity_tokens:
                 self.control.observe(rid, self._trend(rid, view.load), now)
 
+    def demand(self, replica: Replica, now: float) -> dict[str, float]:
+        """What this instance holds on `replica` and would like of it (its heartbeat
+        report's `demand`, which the fleet leader divides the replica by): KV blocks at
+        the level it admits at, and requests; queued and lately refused requests of the
+        replica's model count in `wanted` on each replica that serves it."""
+        model = replica.public or ""
+        block = replica.kv_block_size
+        queued_blocks = queued = 0
+        for tokens, n in self._queued.get(model, Counter()).items():
+            queued_blocks += blocks_for(tokens, block) * n
+            queued += n
+        refused = self._refused
+        while refused and now - refused[0][0] > REFUSED_DEMAND_S:
+            refused.popleft()
+        refused_blocks = refused_n = 0
+        for _, m, tokens in refused:
+            if m == model:
+                refused_blocks += blocks_for(tokens, block)
+                refused_n += 1
+        counts = replica.counts
+        if self.control is not None:
+            held_kv = self.control.reserved_blocks(replica.id, now)
+        else:
+            held_kv = float(counts.kv_blocks)
+        return {
+            KV_HELD: held_kv,
+            KV_WANTED: held_kv + queued_blocks + refused_blocks,
+            SEQS_HELD: float(counts.requests),
+            SEQS_WANTED: float(counts.requests + queued + refused_n),
+        }
+
     def completions_per_s(self, now: float, window_s: float = 10.0) -> float:
         recent = sum(1 for t in self._completions if now - t <= window_s)
         return recent / window_s
@@ -196,11 +276,22 @@ class FleetAdmission:
             # Never scraped (an engine without /metrics): only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         load = self._trend(replica.id, load)
+        counts = replica.counts
+        # Several instances: this one's grant here (None with no leader's grant yet).
+        grant: ReplicaGrant | None = _WHOLE
+        if self.grants is not None:
+            grant = self.grants.get(replica.id)
+            seq_reason = self._seqs_over(grant, counts.requests)
+            if seq_reason:
+                return seq_reason
         if self.control is not None and load.kv_capacity_tokens:
-            counts = replica.counts
             reason = replica_saturated(load, counts.requests, None, now, self.thresholds_adaptive)
-            return reason or self.control.saturation(
-                replica.id, load, now, need_tokens, counts.requests
+            if reason:
+                return reason
+            if grant is None or (self.grants is not None and grant.kv_blocks is None):
+                return NO_GRANT
+            return self.control.saturation(
+                replica.id, load, now, need_tokens, counts.requests, grant.kv_share
             )
         trend = self._trends.get(replica.id)
         rate = trend.preemption_rate_per_s if trend is not None else None
@@ -208,20 +299,46 @@ class FleetAdmission:
         # With exact reservations the KV gauge adds nothing but lag: a slot freed a moment
         # ago still shows as used until the next scrape, and would shed for no reason.
         thresholds = self.thresholds_reserving if reserving else self.thresholds
-        reason = replica_saturated(load, replica.counts.requests, rate, now, thresholds)
+        reason = replica_saturated(load, counts.requests, rate, now, thresholds)
         if reason or not reserving or load.kv_capacity_tokens is None:
             return reason
         if load.kv_block_size:
             replica.kv_block_size = load.kv_block_size
-        reserved = replica.counts.kv_blocks
+        reserved = counts.kv_blocks
+        block = replica.kv_block_size
+        if grant is None or (self.grants is not None and grant.kv_blocks is None):
+            return NO_GRANT
+        if grant.kv_shared and grant.kv_blocks is not None:
+            # A share of the replica: the others may fill the rest, so even alone here
+            # this instance admits only what fits its grant.
+            wanted = reserved + blocks_for(need_tokens, block)
+            if wanted > grant.kv_blocks:
+                return (
+                    f"{wanted} KV blocks would be reserved by this gateway instance, over "
+                    f"its grant of {grant.kv_blocks} of the replica's {grant.kv_of} "
+                    "(the fleet leader's quota)"
+                )
+            return None
         if reserved == 0:
             return None  # alone on the replica, a request fits or the engine says why not
-        block = replica.kv_block_size
         return kv_reservation_full(
             reserved + blocks_for(need_tokens, block),
             load.kv_capacity_tokens / block,
             self.config.kv_reserve_max,
         )
+
+    def _seqs_over(self, grant: ReplicaGrant | None, in_flight: int) -> str | None:
+        """This instance's share of `inflight_max`, when that is set (None: within it)."""
+        if self.config.inflight_max is None:
+            return None
+        if grant is None or grant.seqs is None:
+            return NO_GRANT
+        if in_flight >= grant.seqs:
+            return (
+                f"{in_flight} requests in flight through this gateway instance, at its "
+                f"share of {grant.seqs} of the replica's {grant.seqs_of} (inflight_max)"
+            )
+        return None
 
     def _trend(self, replica_id: str, load: EngineLoad) -> EngineLoad:
         """The load admission judges: the waiting queue as the smaller of the last two
@@ -254,3 +371,7 @@ class _Trend:
     raw: EngineLoad
     smoothed: EngineLoad
     preemption_rate_per_s: float | None
+
+
+# Alone (no cluster): the whole of every replica, no quota.
+_WHOLE = ReplicaGrant()

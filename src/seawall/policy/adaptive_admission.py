@@ -80,10 +80,10 @@ Feedback, on each new scrape:
   half the budget they stop loosening for `calm_s` (under it they are the normal few).
 - outgrown: with the cache (extrapolated `lookahead_s` by its trend) at `outgrown_at` or
   more, KV measured in use over `overrun_ratio` x what is reserved at r means the
-  estimates are wrong (a shift to longer outputs, a heavy tail, another gateway's
-  requests), not the ordinary spread of lengths: r jumps at once to where the reservations
-  cover what is measured. Below `outgrown_at` a request that outgrew its estimate costs
-  nothing: there is room.
+  estimates are wrong (a shift to longer outputs, a heavy tail), not the ordinary spread
+  of lengths: r jumps at once to where the reservations cover what is measured. Below
+  `outgrown_at` a request that outgrew its estimate costs nothing: there is room. With
+  several gateways, this one's part of the usage is its share (`quota`) of it.
 - progress: generated tokens per running request per second under `progress_floor` of
   its recent best while the cache is near full: steps spent recomputing or stalled. It
   stops loosening (as pressure) but does not tighten by itself: step times also vary with
@@ -103,7 +103,8 @@ Admission, per request (`decide`):
    is the long-tail guard: a request that outgrew its estimate costs nothing until the
    cache is near full, and then nothing new is added before the engine must preempt.
 4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
-   engine queues what does not fit; this gateway cannot make that worse).
+   engine queues what does not fit; this gateway cannot make that worse), unless this
+   gateway holds only a share of it (`quota` < 1): the others may fill the rest.
 Tiers: a request of priority p (0 most important) yields `tier_step` x (p - top) of the
 limit and of `kv_high` to the most important tier `top` with requests in flight on the
 replica, so lower tiers are refused first as the cache fills; a tier with nothing in
@@ -115,12 +116,13 @@ in flight), divided by the replica's decayed completion rate; None when nothing 
 completed yet (the caller falls back to the fleet's drain estimate).
 
 Across gateways (issue 15). An engine's gauges see every gateway's requests; one
-gateway's reservations see only its own. Everything here that reads the engine (outgrown,
-near full, preemptions) is already fleet-wide, and its errors with several gateways are
-toward caution (others' usage reads as our requests outgrowing their estimates). What
-a single gateway cannot know is the others' reservations: `decide` takes them as a value,
-so a shared count (the same five sums per replica, kept in Redis) or a leader-issued
-`quota` (this gateway's share of the replica) plugs in without changing this module.
+gateway's reservations see only its own. What a single gateway cannot know is the
+others' reservations: `decide` takes this gateway's share of the replica, `quota`
+(leader-issued: `policy.quota`), and holds its own reservations within that share, so
+the gateways' reservations together stay within the limit, while near full and the
+preemption rate keep judging the replica as a whole. `observe` takes the same share for
+"outgrown": without it, the others' usage would read as this gateway's requests
+outgrowing their estimates, and every gateway would sit at the worst case.
 """
 
 from __future__ import annotations
@@ -443,11 +445,14 @@ class ReplicaAdmission:
 
     # -- feedback --------------------------------------------------------------------
 
-    def observe(self, load: EngineLoad, reserved: Reservations, now: float) -> None:
+    def observe(
+        self, load: EngineLoad, reserved: Reservations, now: float, quota: float = 1.0
+    ) -> None:
         """Feed a scrape (call once per new `scraped_at`; older or equal ones are ignored).
 
-        `reserved` is what is in flight on the replica as this gateway (or, later, the
-        fleet's shared count) knows it."""
+        `reserved` is what this gateway has in flight on the replica, and `quota` its
+        share of the replica (the engine's usage counts every gateway's requests: this
+        gateway's part of it is judged against its own reservations)."""
         cfg = self.config
         cur = _Scrape(
             load.scraped_at,
@@ -517,7 +522,7 @@ class ReplicaAdmission:
             # Outgrowing an estimate costs nothing while the cache has room; it matters once
             # the cache (a little ahead, by its trend) is filling.
             heading = kv + max(self._kv_slope, 0.0) * cfg.lookahead_s
-            used = heading * capacity
+            used = heading * capacity * min(max(quota, 0.0), 1.0)
             # An overcommit (r < 0) is a bet whose cost the preemption budget judges; what is
             # "outgrown" is usage past the learned estimates themselves.
             covered = reserved.total_at(max(self.level, 0.0), cfg.spread_z)
@@ -622,8 +627,9 @@ class ReplicaAdmission:
         # A tier with nothing in flight here is judged as the top one: never starved.
         yields = 0 if top is None or reserved.count(p) == 0 else max(0, p - top)
         share = max(0.0, 1.0 - cfg.tier_step * yields)
+        quota = min(max(quota, 0.0), 1.0)
         limit = capacity * cfg.kv_target * share * quota
-        if reserved.requests == 0:
+        if reserved.requests == 0 and quota >= 1.0:
             return Admit(wanted, limit)  # alone: the engine queues what does not fit
         if wanted > limit:
             self._refused_at = now
@@ -643,10 +649,11 @@ class ReplicaAdmission:
                 ),
                 n,
             )
+            of = "" if quota >= 1.0 else f" of this gateway's {quota:.0%} share"
             return Hold(
                 HoldKind.reserved,
                 f"{wanted:.0f} KV blocks would be reserved at reserve level {level:+.2f}, "
-                f"over the {limit:.0f} this replica gives priority {p}",
+                f"over the {limit:.0f}{of} this replica gives priority {p}",
                 self._retry_after(k, reserved, now),
             )
         kv = load.kv_usage

@@ -20,6 +20,16 @@ An idle or freshly started gateway has no successes to draw on, so a small reser
 refills at `min_per_s` regardless of traffic (capacity `min_per_s * reserve_window_s`):
 a quiet gateway can still retry a transient failure.
 
+Several gateway instances share one fleet's reserve: each holds `1/instances` of it
+(capacity and refill, `share`), so that the bound below holds for the fleet, not once
+per instance (three gateways with a whole reserve each had sent 0.61 hedges per request
+where one sent 0.27). Earned tokens need no sharing: each instance earns from its own
+successes, and the fleet's successes are their sum. A resize keeps the reserve's level,
+clamped to the new capacity: a shrinking share spends nothing it no longer has, and a
+growing one refills into its new room instead of being handed a burst. An instance that
+joins a fleet starts with an empty reserve (`reserve_full=False`): until it knows how
+many share the fleet it cannot know its share, and its refill soon gives it one.
+
 Earned tokens age. As in Finagle's and tower's budgets, a deposit expires `ttl_s` after
 the success that earned it (deposits are kept in `_SLOTS` time slots of `ttl_s / _SLOTS`
 each, so a deposit lives between `ttl_s - ttl_s / _SLOTS` and `ttl_s`), and the earned
@@ -28,7 +38,8 @@ whole cap, and when trouble starts that bank is spent at once on a fleet that is
 failing: the budget's point is to follow the *recent* success rate. Withdrawals take the
 oldest earned tokens first (they would expire first).
 
-The bound, over any run from construction to `now` (property-tested):
+The bound, over any run from construction to `now` (property-tested), for one instance
+or for a fleet whose instances agree on how many they are:
 
     withdrawals <= ratio * deposits + min_per_s * reserve_window_s + min_per_s * elapsed_s
 
@@ -64,6 +75,7 @@ class RetryBudget:
         max_balance: float = 100.0,
         now: float = 0.0,
         ttl_s: float = 10.0,
+        reserve_full: bool = True,
     ) -> None:
         if ratio < 0 or min_per_s < 0 or reserve_window_s < 0 or max_balance < 0:
             raise ValueError("retry budget parameters must be >= 0")
@@ -75,9 +87,32 @@ class RetryBudget:
         self._slot_s = ttl_s / _SLOTS
         # (slot index, earned tokens left from deposits in that slot), oldest first.
         self._earned: deque[list[float]] = deque()
+        self._fleet_capacity = min_per_s * reserve_window_s
+        self._fleet_refill_per_s = min_per_s
+        self.instances = 1
         self._reserve = TokenBucket.full(
-            capacity=min_per_s * reserve_window_s, refill_per_s=min_per_s, now=now
+            capacity=self._fleet_capacity, refill_per_s=min_per_s, now=now
         )
+        if not reserve_full:
+            self._reserve.tokens = 0.0
+
+    def share(self, instances: int, now: float) -> None:
+        """This gateway is one of `instances` (at least one) sharing the fleet's reserve:
+        its reserve becomes that share of it, its level kept within the new capacity."""
+        n = max(int(instances), 1)
+        if n == self.instances:
+            return
+        bucket = self._reserve
+        level = bucket.level(now)  # refilled at the old rate up to now
+        bucket.updated_at = max(bucket.updated_at, now)
+        bucket.capacity = self._fleet_capacity / n
+        bucket.refill_per_s = self._fleet_refill_per_s / n
+        bucket.tokens = min(level, bucket.capacity)
+        self.instances = n
+
+    @property
+    def reserve_capacity(self) -> float:
+        return self._reserve.capacity
 
     def _expire(self, now: float) -> None:
         # Slot k holds deposits made in [k * slot_s, (k + 1) * slot_s); it expires at

@@ -6,6 +6,7 @@ Its own module so that the in-memory backend (`limits.py`) and the Redis one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from seawall.state.limits import LimitsBackend, MemoryLimits
@@ -17,11 +18,15 @@ def open_limits_backend(
     fail_mode: Literal["open", "closed"] = "open",
     key_prefix: str = "seawall:limits:",
     lease_ttl_s: float = 660.0,
+    instances: Callable[[], int] = lambda: 1,
 ) -> LimitsBackend:
     """The configured backend: shared through Redis when a URL is given, else in-memory.
-    Constructing either does no I/O (Redis connects on the first request)."""
+    Constructing either does no I/O (Redis connects on the first request). `instances`:
+    how many gateway instances share the limits (a fail-open fallback holds a share)."""
     if redis_url is None:
         return MemoryLimits(lease_ttl_s=lease_ttl_s)
     from seawall.state.limits_redis import RedisLimits  # only deployments with Redis
 
-    return RedisLimits(redis_url, fail_mode, key_prefix, lease_ttl_s=lease_ttl_s)
+    return RedisLimits(
+        redis_url, fail_mode, key_prefix, lease_ttl_s=lease_ttl_s, instances=instances
+    )

@@ -293,6 +293,23 @@ class MemoryLimits:
             state.limits = limits
         return state
 
+    def seed(
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        requests_level: float | None,
+        tokens_level: float | None,
+        now: float,
+    ) -> None:
+        """Start the tenant's buckets at the given levels (None: full), under `limits`.
+        A fallback for a shared backend starts where the shared buckets were, not full
+        (`limits_redis.py`); the tenant's leases and recent durations are kept."""
+        state = self._state(tenant, limits, now)
+        for bucket, level in ((state.requests, requests_level), (state.tokens, tokens_level)):
+            if bucket is not None:
+                bucket.tokens = bucket.capacity if level is None else min(level, bucket.capacity)
+                bucket.updated_at = now
+
     def _expire_leases(self, state: _TenantState, now: float) -> None:
         if self._lease_ttl_s is None:
             return

@@ -33,12 +33,25 @@ arriving after its cancel is refused. A release that cannot reach Redis is kept 
 Both are delivered, in the background every `reconnect_interval_s` and before the next
 acquire of the same tenant, until Redis takes them or the lease has expired anyway.
 
-Unreachable Redis (refused, reset, timed out): `fail_mode="open"` decides with a
-per-process `MemoryLimits` (each process enforces the full limits on its own, so N
-gateways admit up to N times the limit) and sets `degraded`; `fail_mode="closed"` denies
-with `backend_unavailable`. Either way Redis is tried again at most once per
-`reconnect_interval_s` (by the first request after the interval), and the transitions
-are logged once each, not per request.
+Unreachable Redis (refused, reset, timed out, or any other error from the client: one
+escaping would be a 500). A call that fails is decided without Redis: `fail_mode="open"`
+by a per-process fallback (`MemoryLimits`), `fail_mode="closed"` by a denial with
+`backend_unavailable` (the gateway's 503 with Retry-After). One failure is not an
+outage: only `failures_to_degrade` in a row set `degraded`, and then Redis is tried
+again at most once per `reconnect_interval_s` (by the first request after the
+interval); the transitions are logged once each, not per request.
+
+The fallback must not multiply the limit (issue 15: with three gateways, a 0.3 s pause
+once let 242-344% of the allowance through, each fallback starting as a fresh, full
+bucket for 2 s). So it holds this instance's share of each limit (limit / N, N the live
+gateway instances, `instances`; `max_concurrent // N`, at least 1), and it starts from
+the level Redis last reported for the tenant (every acquire's reply carries the
+buckets' levels), refilled since, divided by N: the instances' fallbacks together
+continue the shared bucket instead of each starting a new one. What a fallback grants
+is owed to the shared buckets: once Redis answers, the debt is charged there (never
+below empty: after a long outage the grants were paid by refills that Redis capped), so
+that the allowance is not granted once by the fallbacks and again by Redis. Each
+episode of fallback starts from the newest level seen.
 """
 
 from __future__ import annotations
@@ -46,13 +59,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from seawall import clock as seawall_clock
 from seawall.state.limits import (
@@ -110,10 +123,11 @@ end
 # refill/s, tokens capacity ('' = unlimited), tokens refill/s, prompt tokens,
 # max concurrent ('' = unlimited), lease id, lease ttl s, limits.WAIT_MARGIN_S, how many
 # held leases to report.
-# Returns {1} when granted (or already granted under this lease id), {0, 'cancelled'} if
-# the lease id was cancelled first, {0, 'max_concurrent', now, expiry...} with the held
-# leases' expiries (soonest first) for the caller's Retry-After, else {0, reason,
-# retry_after_s as a string}.
+# Returns {1, requests level, tokens level} when granted ({1} if already granted under
+# this lease id), {0, 'cancelled'} if the lease id was cancelled first, {0,
+# 'max_concurrent', now, levels..., expiry...} with the held leases' expiries (soonest
+# first) for the caller's Retry-After, else {0, reason, retry_after_s, levels...}. Numbers
+# are strings ('%.17g'; '' for an unlimited bucket's level).
 _ACQUIRE_LUA = (
     _LUA_COMMON
     + r"""
@@ -146,11 +160,18 @@ for i = 1, 2 do
   end
 end
 
+-- The buckets' levels (after this decision) ride on every reply: a fallback starts there.
+local function level(i, taken)
+  local b = buckets[i]
+  if not b then return '' end
+  return string.format('%.17g', b[3] - taken)
+end
+
 if waits[1] > 0 or waits[2] > 0 then
   if waits[2] > waits[1] then
-    return {0, 'prompt_tokens_per_min', string.format('%.17g', waits[2])}
+    return {0, 'prompt_tokens_per_min', string.format('%.17g', waits[2]), level(1, 0), level(2, 0)}
   end
-  return {0, 'requests_per_min', string.format('%.17g', waits[1])}
+  return {0, 'requests_per_min', string.format('%.17g', waits[1]), level(1, 0), level(2, 0)}
 end
 
 local ttl_s = tonumber(ARGV[9])
@@ -159,7 +180,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if ARGV[7] ~= '' then
   if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[7]) then
     local held = redis.call('ZRANGE', KEYS[3], 0, tonumber(ARGV[11]) - 1, 'WITHSCORES')
-    local reply = {0, 'max_concurrent', string.format('%.17g', now)}
+    local reply = {0, 'max_concurrent', string.format('%.17g', now), level(1, 0), level(2, 0)}
     for i = 2, #held, 2 do reply[#reply + 1] = held[i] end
     return reply
   end
@@ -172,7 +193,7 @@ end
 -- Every lease is recorded, limited or not, so that a second release is recognised.
 redis.call('ZADD', KEYS[3], now + ttl_s, ARGV[8])
 redis.call('PEXPIRE', KEYS[3], math.ceil((ttl_s + 60) * 1000))
-return {1}
+return {1, level(1, needs[1]), level(2, needs[2])}
 """
 )
 
@@ -236,11 +257,37 @@ return 1
 )
 
 
+# KEYS: requests bucket, tokens bucket.
+# ARGV: now override, requests capacity ('' = unlimited), requests refill/s, tokens
+# capacity ('' = unlimited), tokens refill/s, requests to charge, tokens to charge.
+# What a fail-open fallback granted, owed to the shared buckets: charged, but never below
+# empty (nor lower than a debt already there).
+_CHARGE_LUA = (
+    _LUA_COMMON
+    + r"""
+local now = clock(ARGV[1])
+for i = 1, 2 do
+  local cap_arg = ARGV[2 * i]
+  local amount = tonumber(ARGV[5 + i])
+  if cap_arg ~= '' and amount > 0 then
+    local capacity, refill = tonumber(cap_arg), tonumber(ARGV[2 * i + 1])
+    local tokens, updated_at = load(KEYS[i], capacity, now)
+    tokens = refilled(tokens, updated_at, capacity, refill, now)
+    local floor = math.min(tokens, 0)
+    store(KEYS[i], math.max(tokens - amount, floor), math.max(updated_at, now), capacity,
+      refill)
+  end
+end
+return 1
+"""
+)
+
+
 @dataclass(slots=True)
 class _Undelivered:
-    """A cancel or a release that could not reach Redis, kept until it does."""
+    """A cancel, a release or a fallback's debt that has not reached Redis yet."""
 
-    kind: Literal["cancel", "release"]
+    kind: Literal["cancel", "release", "charge"]
     tenant: str
     lease_id: str
     limits: TenantLimits
@@ -249,6 +296,8 @@ class _Undelivered:
     charged_prompt_tokens: int  # release: what the acquire charged
     duration_s: float  # release: for the concurrency Retry-After, once delivered
     give_up_at: float  # monotonic: the lease has expired by then, so the call is moot
+    charge_requests: float = 0.0  # charge: what the fallback granted
+    charge_tokens: float = 0.0
 
 
 def _num(value: float | None) -> str:
@@ -275,10 +324,13 @@ class RedisLimits:
         socket_timeout_s: float = 0.1,
         reconnect_interval_s: float = 2.0,
         clock: Literal["server", "caller"] = "server",
+        instances: Callable[[], int] = lambda: 1,
+        failures_to_degrade: int = 3,
     ) -> None:
         if fail_mode not in ("open", "closed"):
             raise ValueError(f"fail_mode must be 'open' or 'closed', not {fail_mode!r}")
         self.fail_mode = fail_mode
+        self.instances = instances  # gateway instances sharing the limits (the role manager's)
         self.key_prefix = key_prefix
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_interval_s = reconnect_interval_s
@@ -299,6 +351,7 @@ class RedisLimits:
         self._acquire_script = self._redis.register_script(_ACQUIRE_LUA)
         self._release_script = self._redis.register_script(_RELEASE_LUA)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
+        self._charge_script = self._redis.register_script(_CHARGE_LUA)
         # Cancels and releases not yet delivered (see the module docstring), by lease id.
         self._undelivered: dict[str, _Undelivered] = {}
         self._flusher: asyncio.Task[None] | None = None
@@ -307,6 +360,11 @@ class RedisLimits:
         self._asked: dict[str, int] = {}  # lease id -> prompt tokens, until released
         self.fallback = MemoryLimits(lease_ttl_s=lease_ttl_s)
         self.degraded = False
+        self.failures_to_degrade = max(1, failures_to_degrade)
+        self._streak = 0  # failed calls in a row
+        # Per tenant: the buckets' levels in Redis's last reply, and the caller's `now` then.
+        self._seen: dict[str, tuple[float | None, float | None, float]] = {}
+        self._seeded: set[str] = set()  # tenants whose fallback this episode has started
         self._next_attempt_at = 0.0  # while degraded: when Redis may be tried again
         # Last limits seen per tenant: release needs the token bucket's shape.
         self._limits: dict[str, TenantLimits] = {}
@@ -338,6 +396,12 @@ class RedisLimits:
         self._next_attempt_at = now + self.reconnect_interval_s
         return True
 
+    async def _failed(self, now: float, error: BaseException) -> None:
+        """A call to Redis failed: decided without it; a streak of them is an outage."""
+        self._streak += 1
+        if self.degraded or self._streak >= self.failures_to_degrade:
+            await self._went_down(now, error)
+
     async def _went_down(self, now: float, error: BaseException) -> None:
         self._next_attempt_at = now + self.reconnect_interval_s
         if self.degraded:
@@ -351,12 +415,12 @@ class RedisLimits:
         log.warning("limits backend unreachable (%s: %s); %s", type(error).__name__, error, action)
         # Drop every pooled connection: after a Redis restart they are all dead, and the
         # next probe must open a fresh one rather than fail on a stale one.
-        try:
+        with contextlib.suppress(Exception):  # the pool is being dropped: nothing to keep
             await self._redis.connection_pool.disconnect()
-        except (RedisError, OSError):
-            pass
 
     def _came_back(self) -> None:
+        self._streak = 0
+        self._seeded.clear()  # a later fallback starts again from the newest levels
         if self.degraded:
             self.degraded = False
             log.info("limits backend reachable again; shared limits restored")
@@ -371,10 +435,68 @@ class RedisLimits:
         now: float,
         lease_id: str | None = None,
     ) -> Lease | Denied:
-        if self.fail_mode == "open":
-            return await self.fallback.acquire(tenant, limits, prompt_tokens, now, lease_id)
-        retry_after_s = max(1.0, self._next_attempt_at - now)
-        return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
+        if self.fail_mode == "closed":
+            retry_after_s = max(1.0, self._next_attempt_at - now)
+            return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
+        n = max(1, int(self.instances()))
+        share = _share(limits, n)
+        if tenant not in self._seeded:
+            self._seeded.add(tenant)
+            self.fallback.seed(tenant, share, *self._start_levels(tenant, limits, n, now), now)
+        result = await self.fallback.acquire(tenant, share, prompt_tokens, now, lease_id)
+        if isinstance(result, Denied) and result.never:
+            # Over this instance's share of the token budget, not over the tenant's: not
+            # a client error, only a wait until Redis decides again.
+            result = denial(
+                "prompt_tokens_per_min", self.reconnect_interval_s, limits, prompt_tokens
+            )
+        if isinstance(result, Lease):
+            self._owe(tenant, limits, prompt_tokens if limits.prompt_tokens_per_min else 0)
+        return result
+
+    def _start_levels(
+        self, tenant: str, limits: TenantLimits, n: int, now: float
+    ) -> tuple[float | None, float | None]:
+        """Where this instance's fallback buckets start: its share of the levels Redis
+        last reported, refilled since (None, full, when none was seen)."""
+        seen = self._seen.get(tenant)
+        if seen is None:
+            return None, None
+        req_level, tok_level, at = seen
+        elapsed = max(0.0, now - at)
+        out: list[float | None] = []
+        for per_min, level in (
+            (limits.requests_per_min, req_level),
+            (limits.prompt_tokens_per_min, tok_level),
+        ):
+            if per_min is None or level is None:
+                out.append(None)
+                continue
+            capacity, refill = bucket_shape(per_min)
+            out.append(min(capacity, level + refill * elapsed) / n)
+        return out[0], out[1]
+
+    def _owe(self, tenant: str, limits: TenantLimits, tokens: int) -> None:
+        """A fallback grant, charged to the shared buckets once Redis answers."""
+        key = f"charge\0{tenant}"
+        u = self._undelivered.get(key)
+        if u is None:
+            u = _Undelivered(
+                "charge",
+                tenant,
+                key,
+                limits,
+                0,
+                None,
+                0,
+                0.0,
+                # A bucket refills in a minute: an older debt no longer changes it.
+                seawall_clock.monotonic() + 60.0,
+            )
+        u.limits = limits
+        u.charge_requests += 1 if limits.requests_per_min is not None else 0
+        u.charge_tokens += tokens
+        self._keep(u)
 
     def _buckets(
         self, limits: TenantLimits
@@ -423,7 +545,8 @@ class RedisLimits:
         ]
         try:
             reply: Any = await self._acquire_script(keys=self._script_keys(tenant), args=args)
-        except (RedisError, OSError, TimeoutError) as error:
+            granted = int(reply[0]) == 1
+        except Exception as error:  # any failure of the store (see above)
             # The script may have reached Redis and run, or may run when Redis resumes:
             # the caller decides without it, so it must be undone.
             self._asked.pop(lease_id, None)
@@ -440,29 +563,44 @@ class RedisLimits:
                     seawall_clock.monotonic() + self.lease_ttl_s,
                 )
             )
-            await self._went_down(now, error)
+            await self._failed(now, error)
             return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
         self._came_back()
-        if int(reply[0]) != 1:
+        if not granted:
             self._asked.pop(lease_id, None)
-        if int(reply[0]) == 1:
+        if granted:
             self._acquired_at.setdefault(lease_id, now)
+            self._saw(tenant, reply, 1, now)
             charged = prompt_tokens if limits.prompt_tokens_per_min is not None else 0
             return Lease(tenant, lease_id, charged)
         reason = str(reply[1])
         if reason == "cancelled":
             return Denied("backend_unavailable", 0.0, "This request was cancelled.")
         if reason == "max_concurrent":
+            self._saw(tenant, reply, 3, now)
             redis_now = float(reply[2])
             ttl_s = self.lease_ttl_s
-            held = [(float(e) - ttl_s, float(e)) for e in reply[3:]]
+            held = [(float(e) - ttl_s, float(e)) for e in reply[5:]]
             durations = self._durations.get(tenant)
             typical_s = durations.typical_s() if durations else None
             retry_after_s = concurrency_retry_after_s(held, typical_s, redis_now)
             return denial("max_concurrent", retry_after_s, limits, prompt_tokens)
+        self._saw(tenant, reply, 3, now)
         if reason == "prompt_tokens_per_min":
             return denial("prompt_tokens_per_min", float(reply[2]), limits, prompt_tokens)
         return denial("requests_per_min", float(reply[2]), limits, prompt_tokens)
+
+    def _saw(self, tenant: str, reply: Any, at: int, now: float) -> None:
+        """Keep the buckets' levels a reply carries at `reply[at]`, `reply[at + 1]`."""
+        if len(reply) < at + 2:
+            return  # a repeated acquire's reply carries none
+        levels: list[float | None] = []
+        for item in (reply[at], reply[at + 1]):
+            try:
+                levels.append(float(item) if item != "" else None)
+            except (TypeError, ValueError):
+                levels.append(None)
+        self._seen[tenant] = (levels[0], levels[1], now)
 
     async def cancel(self, tenant: str, lease_id: str, now: float) -> None:
         self._last_now = max(self._last_now, now)
@@ -513,9 +651,9 @@ class RedisLimits:
             return
         try:
             await self._send(undelivered, now)
-        except (RedisError, OSError, TimeoutError) as error:
+        except Exception as error:  # any failure of the store
             self._keep(undelivered)
-            await self._went_down(now, error)
+            await self._failed(now, error)
             return
         self._came_back()
 
@@ -526,6 +664,20 @@ class RedisLimits:
         requests_capacity, requests_refill, tokens_capacity, tokens_refill = self._buckets(u.limits)
         now_arg = _num(now) if self._caller_clock else ""
         keys = self._script_keys(u.tenant)
+        if u.kind == "charge":
+            await self._charge_script(
+                keys=[keys[0], keys[1]],
+                args=[
+                    now_arg,
+                    _num(requests_capacity),
+                    _num(requests_refill),
+                    _num(tokens_capacity),
+                    _num(tokens_refill),
+                    _num(u.charge_requests),
+                    _num(u.charge_tokens),
+                ],
+            )
+            return
         if u.kind == "cancel":
             await self._cancel_script(
                 keys=keys,
@@ -571,14 +723,29 @@ class RedisLimits:
             if u.give_up_at <= mono:
                 del self._undelivered[lease_id]  # the lease has expired in Redis anyway
                 continue
+            if u.kind == "charge":
+                # Taken out while on the wire: a debt incurred meanwhile starts a new one.
+                self._undelivered.pop(lease_id, None)
             try:
                 await self._send(u, self._last_now)
-            except (RedisError, OSError, TimeoutError) as error:
-                await self._went_down(self._last_now, error)
+            except Exception as error:  # any failure of the store
+                if u.kind == "charge":
+                    self._owe_again(u)
+                await self._failed(self._last_now, error)
                 return False
-            self._undelivered.pop(lease_id, None)
+            if u.kind != "charge":
+                self._undelivered.pop(lease_id, None)
         self._came_back()
         return True
+
+    def _owe_again(self, u: _Undelivered) -> None:
+        """A debt that could not be delivered, merged with any incurred since."""
+        newer = self._undelivered.get(u.lease_id)
+        if newer is not None:
+            newer.charge_requests += u.charge_requests
+            newer.charge_tokens += u.charge_tokens
+        else:
+            self._keep(u)
 
     async def _deliver_loop(self) -> None:
         """Every `reconnect_interval_s` (or at once when Redis is seen again), until
@@ -602,3 +769,14 @@ class RedisLimits:
                 await self._flusher
         await self._redis.aclose()
         await self.fallback.close()
+
+
+def _share(limits: TenantLimits, n: int) -> TenantLimits:
+    """One of `n` instances' share of a tenant's limits (for a fail-open fallback)."""
+    if n <= 1:
+        return limits
+    return TenantLimits(
+        None if limits.requests_per_min is None else limits.requests_per_min / n,
+        None if limits.prompt_tokens_per_min is None else limits.prompt_tokens_per_min / n,
+        None if limits.max_concurrent is None else max(1, limits.max_concurrent // n),
+    )
