@@ -58,9 +58,10 @@ class Fleet:
             AdmissionConfig.model_validate(admission), self.replicas, Metrics()
         )
         self.entry: Any = None
+        self.cut_off_share: float | None = None  # the store unreachable: an even share
 
     def clustered(self) -> Fleet:
-        self.admission.use_grants(Grants(lambda: self.entry))
+        self.admission.use_grants(Grants(lambda: self.entry, lambda: self.cut_off_share))
         return self
 
     def why(self, tokens: int) -> str | None:
@@ -97,6 +98,21 @@ def test_before_its_first_grant_an_instance_admits_nothing_and_says_why() -> Non
     assert fleet.why(16) == NO_GRANT
     fleet.entry = {"other-replica": {KV: [100, 159, 100]}}
     assert fleet.why(16) == NO_GRANT
+
+
+def test_cut_off_from_the_store_before_a_grant_an_instance_admits_within_an_even_share() -> None:
+    fleet = Fleet(mode="reserve", inflight_max=8).clustered()
+    assert fleet.why(16) == NO_GRANT  # the store answers: a grant is on its way
+    fleet.cut_off_share = 1 / 3  # the store is gone, three instances were last known
+    assert fleet.why(53 * 16) is None  # a third of the 159 blocks
+    why = fleet.why(54 * 16)
+    assert why is not None and "over its grant of 53 of the replica's 159" in why
+    for _ in range(2):
+        fleet.ledger.hold("r0", 1)
+    assert "share of 2 of the replica's 8" in (fleet.why(16) or "")  # a third of 8
+    # A grant the leader did issue is kept as it was, whatever the even share says.
+    fleet.entry = {"r0": {KV: [100, 159, 100], SEQS: [6, 8, 2]}}
+    assert fleet.why(16) is None
 
 
 def test_an_instance_reserves_within_its_grant_even_with_nothing_in_flight() -> None:

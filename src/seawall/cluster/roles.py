@@ -322,6 +322,16 @@ class RoleManager:
         """This instance's entry in the last view's `quotas` (None if it has none)."""
         return None if self._view is None else self._view.quotas.get(self.instance)
 
+    def fallback_share(self) -> float | None:
+        """While the store is unreachable: this instance's even share of what the leader
+        divides, by the most instances it last knew of (itself included). None while
+        the store answers (a grant is on its way then)."""
+        if self._store_failing_since is None:
+            return None
+        quotas = self.all_quotas()
+        known = len(quotas) + (self.instance not in quotas)
+        return 1.0 / max(1, self._instances, known)
+
     def all_quotas(self) -> Mapping[str, Any]:
         """Every instance's entry in the last view this instance applied or published."""
         return {} if self._view is None else self._view.quotas

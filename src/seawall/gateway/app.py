@@ -62,7 +62,7 @@ from seawall.gateway.catalog import ModelCatalog
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.engine_args import warn_if_context_too_small
 from seawall.gateway.fleet_admission import FleetAdmission
-from seawall.gateway.fleet_quota import KV, SEQS, Grants, QuotaIssuer
+from seawall.gateway.fleet_quota import Grants, QuotaIssuer, capacity_of
 from seawall.gateway.frontdoor import FrontDoor
 from seawall.gateway.frontdoor import serve as serve_front_door
 from seawall.gateway.h1 import Endpoint, H1Pool
@@ -236,7 +236,9 @@ class Gateway:
         # the leader divides what its own snapshot says each replica holds.
         self.quota_issuer: QuotaIssuer | None = None
         if self.cluster is not None and config.admission.enabled:
-            self.fleet_admission.use_grants(Grants(self.cluster.quotas))
+            self.fleet_admission.use_grants(
+                Grants(self.cluster.quotas, self.cluster.fallback_share)
+            )
             # A vanished instance's share stays counted one member TTL past its own.
             self.quota_issuer = QuotaIssuer(self._quota_capacities, 2 * cc.member_ttl_s)
         self.monitor.subscribe(lambda snap: self.fleet_admission.queue.wake())
@@ -882,19 +884,12 @@ class Gateway:
     def _quota_capacities(self) -> dict[str, dict[str, int]]:
         """What the leader divides per replica: its KV blocks as admission counts them
         (times kv_reserve_max, or the adaptive kv_target), and `inflight_max` sequences."""
-        adm = self.config.admission
-        ratio = adm.adaptive.kv_target if adm.mode == "adaptive" else adm.kv_reserve_max
         snap = self.monitor.snapshot()
+        ratio, inflight_max = self.fleet_admission.divided()
         out: dict[str, dict[str, int]] = {}
         for r in self.replicas.all():
-            per: dict[str, int] = {}
             view = snap.replicas.get(r.id)
-            load = view.load if view is not None else None
-            if ratio is not None and load is not None and load.kv_capacity_tokens:
-                blocks = load.kv_capacity_tokens / max(load.kv_block_size or 16, 1)
-                per[KV] = int(blocks * ratio + 1e-9)
-            if adm.inflight_max is not None:
-                per[SEQS] = adm.inflight_max
+            per = capacity_of(view.load if view is not None else None, ratio, inflight_max)
             if per:
                 out[r.id] = per
         return out

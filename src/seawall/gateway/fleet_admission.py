@@ -36,7 +36,7 @@ from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
-from seawall.gateway.fleet_quota import Grants, ReplicaGrant
+from seawall.gateway.fleet_quota import Grants, ReplicaGrant, capacity_of
 from seawall.gateway.pools import PoolRouter
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
@@ -100,6 +100,13 @@ class FleetAdmission:
         if config.enabled:
             replicas.saturation = self.saturation
 
+    def divided(self) -> tuple[float | None, int | None]:
+        """What the leader divides of each replica: (the KV ratio admission counts
+        against, `inflight_max`); see `fleet_quota.capacity_of`."""
+        adm = self.config
+        ratio = adm.adaptive.kv_target if adm.mode == "adaptive" else adm.kv_reserve_max
+        return ratio, adm.inflight_max
+
     def use_grants(self, grants: Grants) -> None:
         """Admit within the fleet leader's grants from now on (several instances)."""
         self.grants = grants
@@ -114,7 +121,9 @@ class FleetAdmission:
 
             def quota_of(replica_id: str) -> float:
                 g = grants.get(replica_id)
-                return 0.0 if g is None or g.kv_blocks is None else g.kv_share
+                if g is None:
+                    return grants.fallback_share() or 0.0
+                return 0.0 if g.kv_blocks is None else g.kv_share
 
             control.quota_of = quota_of
 
@@ -281,6 +290,8 @@ class FleetAdmission:
         grant: ReplicaGrant | None = _WHOLE
         if self.grants is not None:
             grant = self.grants.get(replica.id)
+            if grant is None:  # cut off from the store before any grant: an even share
+                grant = self.grants.fallback(capacity_of(load, *self.divided()))
             seq_reason = self._seqs_over(grant, counts.requests)
             if seq_reason:
                 return seq_reason

@@ -92,13 +92,35 @@ def parse_entry(entry: Any) -> dict[str, ReplicaGrant]:
     return out
 
 
+def capacity_of(load: Any, kv_ratio: float | None, inflight_max: int | None) -> dict[str, int]:
+    """What is divided of one replica: its KV blocks as admission counts them (times
+    `kv_ratio`: kv_reserve_max, or the adaptive kv_target) and `inflight_max` sequences.
+    `load` is the replica's `EngineLoad` (None: never scraped, KV not divided)."""
+    per: dict[str, int] = {}
+    if kv_ratio is not None and load is not None and load.kv_capacity_tokens:
+        blocks = load.kv_capacity_tokens / max(load.kv_block_size or 16, 1)
+        per[KV] = int(blocks * kv_ratio + 1e-9)
+    if inflight_max is not None:
+        per[SEQS] = inflight_max
+    return per
+
+
 class Grants:
     """This instance's grants, from `source()` (the role manager's `quotas()`: its entry
     in the newest view applied, None before it has one). Re-parsed only when the entry
-    is a new object, so a read per request costs an identity check and a lookup."""
+    is a new object, so a read per request costs an identity check and a lookup.
 
-    def __init__(self, source: Callable[[], Any]) -> None:
+    `fallback_share()` (the role manager's) is this instance's even share of the fleet
+    while the store is unreachable, None otherwise: an instance cut off before the
+    leader granted it anything admits within that share (`fallback`) instead of nothing."""
+
+    def __init__(
+        self,
+        source: Callable[[], Any],
+        fallback_share: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self._source = source
+        self.fallback_share = fallback_share
         self._raw: Any = None
         self._parsed: dict[str, ReplicaGrant] = {}
 
@@ -119,6 +141,21 @@ class Grants:
         """The grant on `replica_id`, or None when this instance has none there (yet)."""
         current = self._current()
         return None if current is None else current.get(replica_id)
+
+    def fallback(self, capacity: Mapping[str, int]) -> ReplicaGrant | None:
+        """With the store unreachable and no grant on a replica whose divided `capacity`
+        is this: an even share of it (at least one sequence). None while the store
+        answers: then the leader's grant is a second or two away."""
+        share = self.fallback_share()
+        if share is None:
+            return None
+        kv, seqs = capacity.get(KV), capacity.get(SEQS)
+        return ReplicaGrant(
+            None if kv is None else int(kv * share + 1e-9),
+            kv,
+            None if seqs is None else max(1, int(seqs * share + 1e-9)),
+            seqs,
+        )
 
     def figures(self) -> dict[str, dict[str, Any]]:
         current = self._current() or {}
