@@ -207,9 +207,10 @@ class ServerConfig(_Strict):
     # Every client connection. Also bounded by the descriptor limit: at most
     # (soft limit - fd_reserve) / 2, since each may hold an upstream connection too.
     max_connections: Annotated[int, Field(ge=16)] = 4096
-    # Connections that have not yet sent a valid key (with no tenants configured, every
-    # connection). At either cap a new connection evicts the longest-waiting idle one
-    # of its kind; if none is idle it is refused with 503.
+    # Connections that have not yet sent a valid key. At either cap a new connection
+    # evicts the longest-waiting idle one of its kind; if none is idle it is refused
+    # with 503. With no tenants configured (no keys) both default to max_connections:
+    # one address is then often a balancer carrying every client.
     max_unauthenticated_connections: Annotated[int, Field(ge=1)] = 1024
     max_unauthenticated_per_address: Annotated[int, Field(ge=1)] = 128
     # Descriptors never given to client connections: the admin port, replicas, Redis,
@@ -377,6 +378,12 @@ class AdmissionConfig(_Strict):
     queue_max: Annotated[int, Field(ge=0)] = 64
     queue_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     lowest_priority_to_queue: Annotated[int, Field(ge=0)] = 0
+    # A request refused this many times for a saturated fleet (the same tenant sending
+    # the same body again) waits in the queue the next time, whatever its tier, instead
+    # of being refused again, and fresh requests of its tier do not overtake it: clients
+    # already served cannot keep the room to themselves (policy.admission.Refusals).
+    # 0: every refusal is final.
+    queue_after_refusals: Annotated[int, Field(ge=0)] = 2
     tokenizers: dict[str, str] = Field(default_factory=dict)  # model -> tokenizer.json
 
     def thresholds(self) -> AdmissionThresholds:

@@ -19,6 +19,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -35,7 +37,7 @@ from seawall.config import ClusterConfig
 from seawall.policy.leadership import failover_bound_s
 from tests.support.cluster import ADMIN_TOKEN, AUTH, FAST_FLEET
 from tests.support.counting_proxy import CountingProxy, counting_proxy
-from tests.support.fleet import MODEL, start_sim, wait_until
+from tests.support.fleet import MODEL, metric_sum, scrape, start_sim, wait_until
 from tests.support.procs import Proc, bound_port, seawall_argv, spawn, wait_http
 from tests.support.redis_server import RedisServer
 
@@ -397,3 +399,76 @@ def other_role(other: Served) -> str:
 def _two_workers(served: Served) -> list[dict[str, Any]]:
     wait_until(lambda: len(served.workers()) == 2, 30, what="two workers")
     return list(served.workers().values())
+
+
+# ------------------------------------------------------------------- admission, 3x
+
+
+# 160 blocks of 16 tokens (one is vLLM's null block): 159 hold tokens. A full-length
+# request (4-token prompt, 190 out) takes 13 blocks: 12 fit a replica, 24 the fleet, and
+# 72 closed-loop clients are 3x its capacity (as in test_cluster_admission.py).
+SMALL_KV = ("--kv-blocks", "160", "--max-model-len", "2048")
+CACHE_BLOCKS = 159
+OVERLOAD_S = 12.0
+
+
+def test_two_workers_at_3x_overload_never_reserve_more_than_a_cache_and_never_preempt(
+    artifacts: Path,
+) -> None:
+    """Each worker admits within the grant the leader worker gives it: together they
+    never reserve more than a replica's cache, so no engine preempts (before: each worker
+    reserved against the whole cache, as two gateways did, and the engines preempted)."""
+    small = [start_sim(artifacts, *SMALL_KV, name=f"small{i}") for i in range(2)]
+    try:
+        config = _config(
+            [s.url for s in small],
+            admission={"mode": "reserve"},
+            timeouts={"ttft_s": 30.0, "total_s": 60.0},
+        )
+        served = Served(artifacts, "workers", config, "--workers", "2")
+        wait_for_one_leader(served, count=2)
+        workers = _two_workers(served)
+        for w in workers:
+            wait_until(lambda w=w: all(routable(w).values()), 15, what="both replicas routable")
+        before = sum(metric_sum(scrape(s.url), "vllm:num_preemptions_total") for s in small)
+        body = {"model": MODEL, "prompt": "A seawall is", "max_tokens": 190, "ignore_eos": True}
+        flood = subprocess.Popen(
+            [
+                sys.executable, "-m", "tests.support.flood", f"{served.url}/v1/completions",
+                "none", str(OVERLOAD_S), "72", json.dumps(body),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        worst: dict[str, int] = {}
+        samples = 0
+        with httpx.Client(timeout=5) as client:
+            while flood.poll() is None:
+                total: dict[str, int] = {}
+                for w in workers:
+                    state = client.get(f"{w['admin']}/admin/state", headers=AUTH).json()
+                    for r in state["replicas"]:
+                        total[r["id"]] = total.get(r["id"], 0) + int(r["reserved_kv_blocks"])
+                for rid, blocks in total.items():
+                    worst[rid] = max(worst.get(rid, 0), blocks)
+                samples += 1
+                time.sleep(0.05)  # a sampling interval, not a wait for a condition
+        stdout, stderr = flood.communicate(timeout=60)
+        assert flood.returncode == 0, stderr
+        counts = json.loads(stdout.strip().splitlines()[-1])
+        preempted = (
+            sum(metric_sum(scrape(s.url), "vllm:num_preemptions_total") for s in small) - before
+        )
+        print(f"\nflood {counts}, preempted {preempted}, most reserved {worst}")
+        assert samples > 20
+        assert preempted == 0
+        assert worst and all(blocks <= CACHE_BLOCKS for blocks in worst.values()), worst
+        # Most of the capacity is served (12 a second: 24 at a time, ~2 s each), and
+        # everything else is a 429.
+        assert counts.get("200", 0) > 0.5 * 12 * OVERLOAD_S, counts
+        assert set(counts) <= {"200", "429"}, counts
+        served.proc.stop()
+    finally:
+        for s in small:
+            s.stop()

@@ -214,6 +214,18 @@ def test_effective_caps_fit_the_descriptor_limit() -> None:
     assert big.max_unkeyed == settings.max_unauthenticated_connections
 
 
+def test_an_open_gateway_caps_one_address_only_by_the_connection_cap() -> None:
+    # No keys: every connection is "unauthenticated", and one address may be a balancer.
+    caps = effective_caps(ServerConfig(), 1 << 20, keys_exist=False)
+    assert caps.max_unkeyed == caps.max_unkeyed_per_address == caps.max_total == 4096
+    # An operator's own values stand.
+    chosen = ServerConfig(max_unauthenticated_per_address=64)
+    assert effective_caps(chosen, 1 << 20, keys_exist=False).max_unkeyed_per_address == 64
+    # With tenants, strangers keep the tighter defaults.
+    keyed = effective_caps(ServerConfig(), 1 << 20, keys_exist=True)
+    assert (keyed.max_unkeyed, keyed.max_unkeyed_per_address) == (1024, 128)
+
+
 def _admit(table: ConnectionTable, address: str) -> Conn:
     decision = table.admit(address)
     assert isinstance(decision, Admitted), decision

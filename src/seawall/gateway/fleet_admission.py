@@ -26,6 +26,7 @@ anything the ledger counts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections import Counter, deque
 
@@ -44,6 +45,8 @@ from seawall.metrics import Metrics
 from seawall.policy.adaptive_admission import OutputLengths
 from seawall.policy.admission import (
     Queue,
+    Refusals,
+    estimated_drain_s,
     kv_reservation_full,
     on_fleet_saturated,
     replica_saturated,
@@ -97,6 +100,8 @@ class FleetAdmission:
         self.grants: Grants | None = None
         self._queued: dict[str, Counter[int]] = {}  # model -> reserve tokens -> waiting
         self._refused: deque[tuple[float, str, int]] = deque(maxlen=4096)
+        # Requests refused lately, by tenant and body: taking turns (policy/admission.py).
+        self._refusals = Refusals(config.queue_after_refusals)
         if config.enabled:
             replicas.saturation = self.saturation
 
@@ -143,9 +148,18 @@ class FleetAdmission:
         free, saturated = self._reach(ctx, now)
         if not free and not saturated:
             return  # nothing usable at all: the dispatcher answers 503
-        if free and not queue.better_waiting(model, ctx.priority):
-            return
         cfg = self.config
+        refusals = self._refusals
+        # Room now, unless a better tier waits, or (for a tier that is shed rather than
+        # queued) a request of its own tier that was refused before waits its turn.
+        ahead = queue.better_waiting(model, ctx.priority) or (
+            ctx.priority > cfg.lowest_priority_to_queue
+            and queue.waiting_at_or_above(model, ctx.priority)
+        )
+        if free and not ahead:
+            if len(refusals):
+                refusals.served(self._key(ctx))
+            return
         depth = queue.depth(model)
         decision = on_fleet_saturated(
             ctx.priority,
@@ -154,6 +168,14 @@ class FleetAdmission:
             cfg.lowest_priority_to_queue,
             self.completions_per_s(now),
         )
+        if (
+            not isinstance(decision, Queue)
+            and depth < cfg.queue_max
+            and len(refusals)
+            and refusals.patient(self._key(ctx), now)
+        ):
+            # Refused often enough already: it waits its turn (policy.admission.Refusals).
+            decision = Queue(expected_wait_s=estimated_drain_s(depth, self.completions_per_s(now)))
         if (
             not isinstance(decision, Queue)
             and depth >= cfg.queue_max
@@ -165,6 +187,7 @@ class FleetAdmission:
         if not isinstance(decision, Queue):
             self.shed(ctx, "fleet_saturated")
             self._refused.append((now, model, int(need)))
+            refusals.refused(self._key(ctx), now)
             retry_after = decision.retry_after_s
             if self.control is not None:  # the replicas' own drain, when it can tell
                 ids = [r.id for r in saturated]
@@ -190,6 +213,7 @@ class FleetAdmission:
         except Displaced:
             self.shed(ctx, "fleet_saturated")
             self._refused.append((clock.monotonic(), model, int(need)))
+            refusals.refused(self._key(ctx), clock.monotonic())
             raise rate_limited(
                 f"Every replica serving `{model}` is saturated and a higher-priority request "
                 "took this one's place in the queue.",
@@ -200,14 +224,28 @@ class FleetAdmission:
             waiting[int(need)] -= 1
             if waiting[int(need)] <= 0:
                 del waiting[int(need)]
-        if not admitted:
+        if admitted:
+            if len(refusals):
+                refusals.served(self._key(ctx))
+        else:
             self.shed(ctx, "queue_timeout")
+            refusals.refused(self._key(ctx), clock.monotonic())
             raise rate_limited(
                 f"Every replica serving `{model}` stayed saturated for "
                 f"{cfg.queue_timeout_s:g}s (queue timeout).",
                 max(1.0, cfg.queue_timeout_s),
                 code="queue_timeout",
             )
+
+    @staticmethod
+    def _key(ctx: RequestCtx) -> bytes:
+        """The same request sent again: its tenant and its body (a digest, so a refused
+        request's body is not kept)."""
+        h = hashlib.blake2b(ctx.tenant.encode(), digest_size=16)
+        h.update(b"\0" + ctx.route.encode() + b"\0")
+        if ctx.req is not None:
+            h.update(ctx.req.raw)
+        return h.digest()
 
     def _reach(self, ctx: RequestCtx, now: float) -> tuple[list[Replica], list[Replica]]:
         """The replicas this request may use: its pools, as its tier allows (pools.py)."""

@@ -25,9 +25,10 @@ connections exhausted the descriptor limit, so new clients and the admin API wer
 - Idle timeout: aiohttp's keep-alive timer, set to `keepalive_timeout_s`; an idle
   connection is closed silently, as HTTP allows.
 - Caps: every connection is *unauthenticated* until a request on it carries a valid
-  key (the `authorize` hook; with no tenants configured nobody is ever authenticated, so
-  every connection is under the tighter caps). Unauthenticated connections are capped
-  globally and per client address; all connections together are capped below the
+  key (the `authorize` hook). Unauthenticated connections are capped globally and per
+  client address (with no tenants configured nobody is ever authenticated, and one
+  address is often a balancer carrying everyone, so those two caps default to the
+  global one: `effective_caps`); all connections together are capped below the
   descriptor limit, leaving `fd_reserve` descriptors for the admin port, replicas, Redis
   and logs. At a cap a new connection evicts the one that has been *evictable* longest:
   an unauthenticated one that is idle, still sending headers, or still sending its body,
@@ -482,13 +483,26 @@ class Caps:
     max_unkeyed_per_address: int
 
 
-def effective_caps(settings: ServerConfig, fd_soft_limit: int) -> Caps:
+def effective_caps(settings: ServerConfig, fd_soft_limit: int, keys_exist: bool = True) -> Caps:
     """The configured caps, lowered to fit the descriptor limit: each client connection
-    may hold an upstream connection too, and `fd_reserve` are never given to clients."""
+    may hold an upstream connection too, and `fd_reserve` are never given to clients.
+
+    With no keys (an open gateway) there are no strangers to keep from crowding out
+    tenants, and one client address is often a proxy or a balancer carrying everyone:
+    the caps for connections without a valid key default to `max_connections` then
+    (values set in the configuration are kept)."""
     room = max(16, (fd_soft_limit - settings.fd_reserve) // 2)
     total = min(settings.max_connections, room)
-    unkeyed = min(settings.max_unauthenticated_connections, total)
-    per_address = min(settings.max_unauthenticated_per_address, unkeyed)
+    unkeyed_cap = settings.max_unauthenticated_connections
+    per_address_cap = settings.max_unauthenticated_per_address
+    if not keys_exist:
+        chosen = settings.model_fields_set
+        if "max_unauthenticated_connections" not in chosen:
+            unkeyed_cap = total
+        if "max_unauthenticated_per_address" not in chosen:
+            per_address_cap = total
+    unkeyed = min(unkeyed_cap, total)
+    per_address = min(per_address_cap, unkeyed)
     return Caps(total, unkeyed, per_address)
 
 
@@ -879,7 +893,7 @@ async def serve(
     install_log_redaction()
     pin_malloc_thresholds()
     fd_soft_limit = raise_fd_limit()
-    caps = effective_caps(settings, fd_soft_limit)
+    caps = effective_caps(settings, fd_soft_limit, keys_exist=authorize is not None)
     if caps.max_total < settings.max_connections:
         log.warning(
             "descriptor limit %d allows only %d client connections (server.max_connections "

@@ -63,6 +63,12 @@ class AdmissionQueue:
         heap = self._heaps.get(model)
         return heap is not None and bool(heap) and heap[0].priority < priority
 
+    def waiting_at_or_above(self, model: str, priority: int) -> bool:
+        """A request of this tier or a better one is waiting: a fresh one of this tier
+        that may not queue must not take room ahead of it (policy.admission.Refusals)."""
+        heap = self._heaps.get(model)
+        return heap is not None and bool(heap) and heap[0].priority <= priority
+
     def displace_worse(self, model: str, priority: int) -> bool:
         """Shed the worst waiter if it is of a strictly worse tier than `priority`."""
         heap = self._heaps.get(model)

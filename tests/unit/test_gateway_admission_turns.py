@@ -1,0 +1,149 @@
+"""Taking turns under overload (policy.admission.Refusals, FleetAdmission.admit): a
+request refused twice waits its turn, and a fresh request of its tier does not take the
+room ahead of it. No sockets: one replica whose KV the test fills through the in-flight
+ledger, fleet admission called as the gateway calls it, time passed in where the policy
+takes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+from seawall import clock
+from seawall.config import AdmissionConfig, Timeouts
+from seawall.errors import ApiError
+from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.fleet_admission import FleetAdmission
+from seawall.gateway.inflight import Hold, InFlight
+from seawall.gateway.replicas import Replica, ReplicaSet
+from seawall.metrics import Metrics
+from seawall.policy.admission import Refusals
+from seawall.protocol.openai import parse
+
+MODEL = "m"
+CACHE = 159  # blocks of 16 tokens
+NEED = 13 * 16  # one request: 13 blocks
+
+
+# -- the policy ------------------------------------------------------------------------
+
+
+def test_a_request_is_patient_after_its_second_refusal_and_starts_afresh_once_served() -> None:
+    r = Refusals(patience=2, ttl_s=30.0)
+    assert not r.patient("a", 0.0)
+    assert r.refused("a", 0.0) == 1 and not r.patient("a", 0.5)
+    assert r.refused("a", 1.0) == 2 and r.patient("a", 1.5)
+    assert not r.patient("b", 1.5)  # another request
+    r.served("a")
+    assert not r.patient("a", 2.0) and len(r) == 0
+
+
+def test_refusals_lapse_and_stay_bounded() -> None:
+    r = Refusals(patience=1, ttl_s=10.0, max_entries=3)
+    r.refused("old", 0.0)
+    assert r.patient("old", 9.9)
+    assert not r.patient("old", 10.0)  # ten seconds after its last refusal: forgotten
+    for k, key in enumerate("wxyz"):
+        r.refused(key, 20.0 + k)
+    assert len(r) == 3 and not r.patient("w", 24.0) and r.patient("z", 24.0)
+    never = Refusals(patience=0)
+    assert never.refused("a", 0.0) == 0 and not never.patient("a", 0.0) and len(never) == 0
+
+
+# -- fleet admission -------------------------------------------------------------------
+
+
+class Fleet:
+    def __init__(self, **admission: Any) -> None:
+        self.ledger = InFlight()
+        self.replicas = ReplicaSet(self.ledger, random.Random(0))
+        self.replica = Replica("r0", "http://127.0.0.1:9", MODEL, "n0")
+        self.replicas.add(self.replica)
+        load = EngineLoad(
+            running=0,
+            waiting=0,
+            kv_usage=0.1,
+            preemptions_total=0,
+            generation_tokens_total=0,
+            kv_capacity_tokens=CACHE * 16,
+            kv_block_size=16,
+            scraped_at=clock.monotonic() + 3600,  # fresh for the whole test
+        )
+        view = ReplicaView("r0", "", MODEL, "n0", load=load)
+        snap = FleetSnapshot({"r0": view}, clock.monotonic())
+        self.replicas.snapshot = lambda: snap
+        cfg = {"mode": "reserve", "queue_timeout_s": 5.0, **admission}
+        self.admission = FleetAdmission(
+            AdmissionConfig.model_validate(cfg), self.replicas, Metrics()
+        )
+        self.ledger.on_release = lambda rid: self.admission.queue.wake()
+        # 12 requests of 13 blocks in flight: 156 of 159, no room for another.
+        self.holds: list[Hold] = [self.ledger.hold("r0", 13) for _ in range(12)]
+
+    async def admit(self, prompt: str, priority: int = 1) -> int:
+        raw = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 190}).encode()
+        ctx = RequestCtx(
+            request_id=prompt,
+            route="completions",
+            started=clock.monotonic(),
+            timeouts=Timeouts(),
+            req=parse("completions", raw),
+            priority=priority,
+            reserve_tokens=NEED,
+        )
+        try:
+            await self.admission.admit(ctx)
+        except ApiError as e:
+            return e.status
+        self.holds.append(self.ledger.hold("r0", 13))  # it runs
+        return 200
+
+
+async def test_refused_twice_a_request_waits_its_turn_and_a_fresh_one_does_not_overtake() -> None:
+    fleet = Fleet()  # priority 1 is shed at once (lowest_priority_to_queue 0)
+    assert await fleet.admit("patient") == 429
+    assert await fleet.admit("patient") == 429
+    waiting = asyncio.ensure_future(fleet.admit("patient"))  # the third time it waits
+    await asyncio.sleep(0)
+    assert not waiting.done() and fleet.admission.queue.depth(MODEL) == 1
+    # A request ends, and a closed-loop client sends its next one at once, in the same
+    # turn of the loop: the room it freed goes to the request that was refused first.
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("incumbent's next") == 429
+    assert await asyncio.wait_for(waiting, 5) == 200
+    assert fleet.admission.queue.depth(MODEL) == 0
+    # Served, it starts afresh: refused again, it is refused twice before it waits.
+    assert await fleet.admit("patient") == 429
+
+
+async def test_without_patience_the_incumbent_keeps_the_room() -> None:
+    """What `queue_after_refusals: 0` (and Seawall before) does: the refused client never
+    gets in while the incumbent resends at once."""
+    fleet = Fleet(queue_after_refusals=0)
+    for _ in range(3):
+        assert await fleet.admit("patient") == 429
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("incumbent's next") == 200
+    assert await fleet.admit("patient") == 429
+
+
+async def test_a_patient_request_waits_no_longer_than_the_queue_timeout() -> None:
+    fleet = Fleet(queue_timeout_s=0.3)
+    for _ in range(2):
+        assert await fleet.admit("patient") == 429
+    started = clock.monotonic()
+    assert await fleet.admit("patient") == 429  # nothing ended: a queue timeout
+    assert clock.monotonic() - started >= 0.3
+    assert fleet.admission.queue.depth(MODEL) == 0
+
+
+async def test_a_tier_that_queues_still_queues_at_its_first_refusal() -> None:
+    fleet = Fleet()
+    waiting = asyncio.ensure_future(fleet.admit("first", priority=0))
+    await asyncio.sleep(0)
+    assert fleet.admission.queue.depth(MODEL) == 1
+    fleet.holds.pop(0).release()
+    assert await asyncio.wait_for(waiting, 5) == 200
