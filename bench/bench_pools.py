@@ -52,7 +52,7 @@ from _common import (  # noqa: E402
     sim_argv,
     wait_http,
 )
-from seawall.gateway.tenancy import hash_key  # noqa: E402
+from seawall.auth import hash_key  # noqa: E402
 
 MODEL = "sim-model"
 ADMIN_TOKEN = "bench-pools-admin-token"
@@ -140,6 +140,7 @@ def run_one(args: argparse.Namespace, standby: bool, round_: int) -> dict[str, A
                 timeout=args.duration + 60,
                 env=seawall_env({"SEAWALL_ADMIN_TOKEN": ADMIN_TOKEN}),
             )  # fmt: skip
+            gw.stop()  # before the relay goes: nothing left mid-pipe
             (logs / "drill.json").write_text(out.stdout + out.stderr)
             if out.returncode != 0:
                 raise RuntimeError(f"{name}: drill exited {out.returncode}:\n{out.stderr}")

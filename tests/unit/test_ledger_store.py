@@ -104,3 +104,23 @@ async def test_a_version_1_ledger_keeps_its_rows_as_restarts(tmp_path: Path) -> 
     await ledger.record(RestartRecord("n1", "r1", "hang", 6.0, RecordKind.failure))
     assert len(await ledger.failures("n1", 0.0)) == 1
     await ledger.close()
+
+
+async def test_a_ledger_opened_by_the_release_before_and_then_this_one_again(
+    tmp_path: Path,
+) -> None:
+    """A rollback and a roll forward: the release before (schema 1) opens a file this
+    one wrote and sets user_version back to 1; this release must open it again, rows of
+    both kinds intact (before: "duplicate column name: kind", and the gateway died)."""
+    path = tmp_path / "ledger.sqlite"
+    ledger = RestartLedger(path)
+    await ledger.record(RestartRecord("n1", "r1", "hang", 5.0))
+    await ledger.record(RestartRecord("n1", "r1", "crash", 6.0, RecordKind.failure))
+    await ledger.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=1")  # what the release before does when it opens it
+    db.close()
+    again = RestartLedger(path)
+    assert await again.restarts("n1", 0.0) == [RestartRecord("n1", "r1", "hang", 5.0)]
+    assert len(await again.failures("n1", 0.0)) == 1
+    await again.close()

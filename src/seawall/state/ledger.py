@@ -152,9 +152,13 @@ class RestartLedger:
         with self._lock:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
             self._db.executescript(_SCHEMA)
-            if version == 1:  # `CREATE TABLE IF NOT EXISTS` kept the old `restarts`
+            # `CREATE TABLE IF NOT EXISTS` keeps a version-1 `restarts`. Its columns are
+            # read, not the file's user_version: a gateway rolled back to the release
+            # before opens the file too and sets user_version back to 1, and the next
+            # one must not add a column that is there.
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(restarts)")}
+            if "kind" not in columns:
                 self._db.execute(
                     "ALTER TABLE restarts ADD COLUMN kind TEXT NOT NULL DEFAULT 'restart'"
                 )
