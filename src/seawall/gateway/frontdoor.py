@@ -454,12 +454,8 @@ def raise_fd_limit(ceiling: int = 1 << 20) -> int:
 # 32 MiB), after which multi-MiB request bodies come from the heap and their pages stay
 # with the process once freed: a burst of 4 MiB bodies left the gateway ~40 MiB larger.
 # Pinned, every block over 256 KiB is its own mapping and goes back to the OS when freed.
-# Pinning one threshold fixes the other too; the trim threshold is set where glibc's own
-# adjustment would take it (64 MiB): the large blocks are returned by their unmapping,
-# and a low one (1 MiB) made glibc give back and fault in the heap's top over and over
-# under streaming load (bench_gateway.py: CPU per streamed request, side by side).
 MMAP_THRESHOLD_BYTES = 256 * 1024
-TRIM_THRESHOLD_BYTES = 64 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 1024 * 1024
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
