@@ -450,17 +450,26 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Llam
 
 
 def test_anthropic_messages_stream_through_the_gateway(llama: tuple[Proc, LlamaServer]) -> None:
-    gw, _ = llama
+    gw, server = llama
     body = {"model": LLAMA_MODEL, "max_tokens": 6,
             "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
     whole = httpx.post(gw.url + "/v1/messages", json=body, timeout=30)
     assert whole.status_code == 200 and whole.json()["type"] == "message"
     assert whole.json()["usage"]["output_tokens"] == 6
+    # llama-server's own stream is not always whole: with this random-weight model its
+    # `message_start` and the text events of tokens that are not yet valid UTF-8 are
+    # sometimes missing (at temperature 0, always: only message_delta and message_stop).
+    # So the gateway's stream is held to llama-server's own, event for event, at
+    # temperature 0, and to what the gateway itself needs (the end event) at 1.
+    greedy = {**body, "stream": True, "temperature": 0}
+    direct = httpx.post(server.url + "/v1/messages", json=greedy, timeout=30)
+    relayed = httpx.post(gw.url + "/v1/messages", json=greedy, timeout=30)
+    assert relayed.status_code == 200
+    assert sse_events(relayed.content) == sse_events(direct.content)
     r = httpx.post(gw.url + "/v1/messages", json={**body, "stream": True}, timeout=30)
     events = sse_events(r.content)
     kinds = [e["event"] for e in events]
-    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-    assert "content_block_delta" in kinds and "error" not in kinds
+    assert kinds[-1] == "message_stop" and "error" not in kinds
     assert all(e["data"]["type"] == e["event"] for e in events)
     counted = httpx.post(gw.url + "/v1/messages/count_tokens", json=body, timeout=30)
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0

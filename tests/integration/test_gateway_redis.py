@@ -52,7 +52,9 @@ def gateways(
 async def hammer(
     urls: list[str], seconds: float, concurrency: int, body: dict[str, Any]
 ) -> tuple[int, int, float]:
-    """Round-robin requests over the gateways for a bounded time; (ok, refused, elapsed)."""
+    """Round-robin requests over the gateways for a bounded time, ending one second after
+    the first refusal (a loaded machine may need longer to reach a limit, and the figures
+    are per elapsed second); (ok, refused, elapsed)."""
     counts = {"ok": 0, "refused": 0}
     deadline = time.monotonic() + seconds
     cycle = itertools.cycle(urls)
@@ -63,12 +65,15 @@ async def hammer(
     ) as c:
 
         async def worker() -> None:
+            nonlocal deadline
             for _ in range(100_000):  # bounded in count as well as time
                 if time.monotonic() >= deadline:
                     return
                 r = await c.post(next(cycle) + "/v1/completions", json=body)
                 counts["ok" if r.status_code == 200 else "refused"] += 1
                 assert r.status_code in (200, 429), r.text
+                if r.status_code == 429 and counts["refused"] == 1:
+                    deadline = min(deadline, time.monotonic() + 1.0)
 
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -83,7 +88,7 @@ def test_three_gateways_admit_within_two_percent_of_one_limit(
     gws = gateways(artifacts, sim, redis_server, {"requests_per_min": per_min})
     with running(sim, *gws):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-        ok, refused, elapsed = asyncio.run(hammer([g.url for g in gws], 4.0, 24, body))
+        ok, refused, elapsed = asyncio.run(hammer([g.url for g in gws], 15.0, 24, body))
         assert refused > 0  # the limit was really reached
         expected = per_min + per_min / 60 * elapsed
         assert abs(ok - expected) <= 0.02 * expected, (ok, expected, elapsed)

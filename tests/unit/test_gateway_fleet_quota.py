@@ -110,6 +110,12 @@ def test_cut_off_from_the_store_before_a_grant_an_instance_admits_within_an_even
     for _ in range(2):
         fleet.ledger.hold("r0", 1)
     assert "share of 2 of the replica's 8" in (fleet.why(16) or "")  # a third of 8
+    # An empty grant (a join the leader had not finished handing over) is no grant.
+    fleet.entry = {"r0": {KV: [0, 159, 0], SEQS: [0, 8, 0]}}
+    assert "share of 2 of the replica's 8" in (fleet.why(16) or "")  # the even share
+    fleet.cut_off_share = None
+    assert fleet.why(16) is not None  # the store answers: the grant is on its way
+    fleet.cut_off_share = 1 / 3
     # A grant the leader did issue is kept as it was, whatever the even share says.
     fleet.entry = {"r0": {KV: [100, 159, 100], SEQS: [6, 8, 2]}}
     assert fleet.why(16) is None

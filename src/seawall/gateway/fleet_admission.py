@@ -126,7 +126,7 @@ class FleetAdmission:
 
             def quota_of(replica_id: str) -> float:
                 g = grants.get(replica_id)
-                if g is None:
+                if g is None or g.empty:
                     return grants.fallback_share() or 0.0
                 return 0.0 if g.kv_blocks is None else g.kv_share
 
@@ -328,8 +328,10 @@ class FleetAdmission:
         grant: ReplicaGrant | None = _WHOLE
         if self.grants is not None:
             grant = self.grants.get(replica.id)
-            if grant is None:  # cut off from the store before any grant: an even share
-                grant = self.grants.fallback(capacity_of(load, *self.divided()))
+            if grant is None or grant.empty:
+                # Cut off from the store before the leader granted it anything: an even
+                # share (None while the store answers: the grant is on its way).
+                grant = self.grants.fallback(capacity_of(load, *self.divided())) or grant
             seq_reason = self._seqs_over(grant, counts.requests)
             if seq_reason:
                 return seq_reason

@@ -60,6 +60,12 @@ class ReplicaGrant:
         return min(1.0, self.kv_blocks / self.kv_of)
 
     @property
+    def empty(self) -> bool:
+        """Nothing granted yet of a divided resource (a join the leader had not finished
+        handing over: it grows a grant only once the others confirmed their shrink)."""
+        return self.kv_blocks == 0 or self.seqs == 0
+
+    @property
     def kv_shared(self) -> bool:
         """Less than the whole replica's KV: this instance is not alone on it."""
         return self.kv_blocks is not None and self.kv_of is not None and self.kv_blocks < self.kv_of
@@ -112,7 +118,8 @@ class Grants:
 
     `fallback_share()` (the role manager's) is this instance's even share of the fleet
     while the store is unreachable, None otherwise: an instance cut off before the
-    leader granted it anything admits within that share (`fallback`) instead of nothing."""
+    leader granted it anything (or while its grant was still empty) admits within that
+    share (`fallback`) instead of nothing."""
 
     def __init__(
         self,
