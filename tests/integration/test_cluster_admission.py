@@ -19,18 +19,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.cluster import (
-    AUTH,
     Instance,
+    ReservationSampler,
     redis_cluster,
     start_instances,
     wait_for_leader,
@@ -99,36 +97,6 @@ def _floods(instances: list[Instance], seconds: float, body: dict[str, Any]) -> 
     return out
 
 
-class _Sampler:
-    """Reads every instance's reservations per replica, as close together as three admin
-    calls allow, until stopped: the sum per replica is the fleet's reservation there."""
-
-    def __init__(self, instances: list[Instance]) -> None:
-        self.instances = instances
-        self.samples: list[dict[str, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def __enter__(self) -> _Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._stop.is_set():
-                total: dict[str, int] = {}
-                for gw in self.instances:
-                    state = client.get(f"{gw.admin}/admin/state", headers=AUTH).json()
-                    for r in state["replicas"]:
-                        total[r["id"]] = total.get(r["id"], 0) + int(r["reserved_kv_blocks"])
-                self.samples.append(total)
-                time.sleep(0.05)  # a sampling interval, not a wait for a condition
-
-
 def _preemptions(sims: list[Proc]) -> float:
     return sum(metric_sum(scrape(s.url), "vllm:num_preemptions_total") for s in sims)
 
@@ -157,10 +125,10 @@ def _overload(
     over the instances, how many samples that is from)."""
     body = {"model": MODEL, "prompt": "A seawall is", "max_tokens": MAX_TOKENS, "ignore_eos": True}
     before = _preemptions(sims)
-    with _Sampler(instances) as sampler:
+    with ReservationSampler([gw.admin for gw in instances]) as sampler:
         floods = _floods(instances, seconds, body)
     preempted = _preemptions(sims) - before
-    worst = {rid: max(s.get(rid, 0) for s in sampler.samples) for rid in ("r0", "r1")}
+    worst = {rid: sampler.worst().get(rid, 0) for rid in ("r0", "r1")}
     print(f"\nfloods {floods}\npreempted {preempted}, most reserved per replica {worst}")
     return floods, preempted, worst, len(sampler.samples)
 

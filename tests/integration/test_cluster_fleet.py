@@ -33,6 +33,7 @@ from tests.support.cluster import (
     leader_of,
     redis_cluster,
     start_instances,
+    stream_events,
     wait_for_leader,
 )
 from tests.support.counting_proxy import CountingProxy, counting_proxy
@@ -123,27 +124,6 @@ def test_probes_per_replica_do_not_grow_with_the_instance_count(
 # ----------------------------------------------------------------- leader fail-over
 
 
-def _stream(instance: Instance, max_tokens: int, out: list[dict[str, Any]]) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": "A seawall is",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    events: list[str] = []
-    status = 0
-    try:
-        with httpx.stream("POST", f"{instance.url}/v1/completions", json=body, timeout=60) as r:
-            status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-    except httpx.HTTPError as e:
-        events.append(f"transport error: {e!r}")
-    out.append({"via": instance.name, "status": status, "events": events})
-
-
 def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     artifacts: Path, sims: list[Proc], redis_server: RedisServer
 ) -> None:
@@ -160,7 +140,7 @@ def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     # Streams of ~6 s (600 tokens at the sim's 10 ms a step) through both survivors.
     results: list[dict[str, Any]] = []
     threads = [
-        threading.Thread(target=_stream, args=(gw, 600, results))
+        threading.Thread(target=stream_events, args=(gw.url, 600, results, gw.name))
         for gw in survivors
         for _ in range(3)
     ]

@@ -35,7 +35,7 @@ import yaml
 from seawall.auth import hash_key
 from seawall.config import ClusterConfig
 from seawall.policy.leadership import failover_bound_s
-from tests.support.cluster import ADMIN_TOKEN, AUTH, FAST_FLEET
+from tests.support.cluster import ADMIN_TOKEN, AUTH, FAST_FLEET, ReservationSampler, stream_events
 from tests.support.counting_proxy import CountingProxy, counting_proxy
 from tests.support.fleet import MODEL, metric_sum, scrape, start_sim, wait_until
 from tests.support.procs import Proc, bound_port, seawall_argv, spawn, wait_http
@@ -181,27 +181,6 @@ def _complete(url: str) -> int:
         return fresh.post(f"{url}/v1/completions", json=body, timeout=30).status_code
 
 
-def _stream(url: str, max_tokens: int, out: list[dict[str, Any]]) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": "A seawall is",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    events: list[str] = []
-    status = 0
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-    except httpx.HTTPError as e:
-        events.append(f"transport error: {e!r}")
-    out.append({"status": status, "events": events})
-
-
 def _finished(result: dict[str, Any], tokens: int) -> None:
     assert result["status"] == 200, result
     assert result["events"][-1] == "[DONE]", result["events"][-3:]
@@ -279,7 +258,9 @@ def test_a_dead_worker_is_replaced_and_sigterm_drains_every_worker(
     # Streams through the survivor (its own admin port is not the client port, so go
     # through the shared port and keep the ones the survivor took).
     results: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=_stream, args=(served.url, 400, results)) for _ in range(6)]
+    threads = [
+        threading.Thread(target=stream_events, args=(served.url, 400, results)) for _ in range(6)
+    ]
     for t in threads:
         t.start()
     wait_until(
@@ -318,7 +299,9 @@ def test_a_dead_worker_is_replaced_and_sigterm_drains_every_worker(
     # SIGTERM: every worker drains. A stream in flight finishes; a new request is refused.
     wait_until(lambda: _complete(served.url) == 200, 10, what="serving again")
     late: list[dict[str, Any]] = []
-    streaming = [threading.Thread(target=_stream, args=(served.url, 300, late)) for _ in range(4)]
+    streaming = [
+        threading.Thread(target=stream_events, args=(served.url, 300, late)) for _ in range(4)
+    ]
     for t in streaming:
         t.start()
     wait_until(
@@ -441,19 +424,9 @@ def test_two_workers_at_3x_overload_never_reserve_more_than_a_cache_and_never_pr
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        worst: dict[str, int] = {}
-        samples = 0
-        with httpx.Client(timeout=5) as client:
-            while flood.poll() is None:
-                total: dict[str, int] = {}
-                for w in workers:
-                    state = client.get(f"{w['admin']}/admin/state", headers=AUTH).json()
-                    for r in state["replicas"]:
-                        total[r["id"]] = total.get(r["id"], 0) + int(r["reserved_kv_blocks"])
-                for rid, blocks in total.items():
-                    worst[rid] = max(worst.get(rid, 0), blocks)
-                samples += 1
-                time.sleep(0.05)  # a sampling interval, not a wait for a condition
+        with ReservationSampler([w["admin"] for w in workers]) as sampler:
+            flood.wait(timeout=OVERLOAD_S + 60)
+        worst, samples = sampler.worst(), len(sampler.samples)
         stdout, stderr = flood.communicate(timeout=60)
         assert flood.returncode == 0, stderr
         counts = json.loads(stdout.strip().splitlines()[-1])

@@ -9,6 +9,7 @@ once (in parallel: each takes a second or two to import) and waits for all of th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,3 +152,64 @@ def wait_for_leader(instances: Sequence[Instance], timeout: float = 20) -> Insta
                 return next(i for i in live if i.name == leaders[0])
         time.sleep(0.05)
     raise AssertionError(f"no single agreed leader after {timeout}s: {last}")
+
+
+def stream_events(url: str, max_tokens: int, out: list[dict[str, Any]], via: str = "") -> None:
+    """One streamed completion through `url` (a thread's target): appends its status and
+    `data:` payloads (or the transport error) to `out`."""
+    body = {
+        "model": MODEL,
+        "prompt": "A seawall is",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[str] = []
+    status = 0
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.HTTPError as e:
+        events.append(f"transport error: {e!r}")
+    out.append({"via": via, "status": status, "events": events})
+
+
+class ReservationSampler:
+    """Reads every gateway's KV reservations per replica from their admin APIs, as close
+    together as the calls allow, until stopped: the sum per replica is the fleet's
+    reservation there."""
+
+    def __init__(self, admin_urls: Sequence[str]) -> None:
+        self.admin_urls = list(admin_urls)
+        self.samples: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> ReservationSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def worst(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for sample in self.samples:
+            for rid, blocks in sample.items():
+                out[rid] = max(out.get(rid, 0), blocks)
+        return out
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                total: dict[str, int] = {}
+                for admin in self.admin_urls:
+                    state = client.get(f"{admin}/admin/state", headers=AUTH).json()
+                    for r in state["replicas"]:
+                        total[r["id"]] = total.get(r["id"], 0) + int(r["reserved_kv_blocks"])
+                self.samples.append(total)
+                time.sleep(0.05)  # a sampling interval, not a wait for a condition
