@@ -25,6 +25,7 @@ from tests.support.fleet import (
     start_sim,
     wait_until,
 )
+from tests.support.hostile import rss_kib
 from tests.support.procs import spawn
 
 pytestmark = pytest.mark.integration
@@ -41,13 +42,6 @@ def tenants() -> dict[str, object]:
             "free": {"tier": "free", "api_key_hashes": [hash_key(KEY_FREE)]},
         },
     }
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def test_without_a_key_nothing_but_401_and_no_body_is_read(artifacts: Path) -> None:

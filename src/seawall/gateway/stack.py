@@ -19,6 +19,7 @@ from seawall.gateway.frontdoor import safe_request_id
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.tenancy import Tenancy
 from seawall.protocol.openai import parse
+from seawall.protocol.tokens import check_prompt_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,12 @@ def admission_stack(
         tenancy.authenticate(request.headers, ctx)
 
     async def read_body(request: web.Request, ctx: RequestCtx) -> None:
-        raw = await _read(request, max_body_bytes)
+        bound = tenancy.body_bound(ctx)
+        try:
+            raw = await _read(request, max_body_bytes, bound)
+        except PromptTooLarge as e:
+            await tenancy.refused(ctx)  # charged to the request rate, as every size refusal
+            raise e.error from None
         req = ctx.req = parse(ctx.route, raw, request.headers.get("Content-Type"))
         body_id = req.obj.get("request_id")
         if "X-Request-Id" not in request.headers and isinstance(body_id, str):
@@ -109,7 +115,8 @@ def admission_stack(
         Step(
             "body",
             read_body,
-            "read (bounded by limits.max_body_bytes) and parse only for a known caller; "
+            "read and parse only for a known caller, bounded by limits.max_body_bytes and "
+            "the tier's byte bound (refused from Content-Length, unread, when over it); "
             "bad input is refused before anything is spent upstream",
         ),
         Step(
@@ -121,11 +128,10 @@ def admission_stack(
         Step(
             "tier_limits",
             tier_limits,
-            "prompt, max_tokens and structured-output schema limits, a byte bound before any "
-            "counting: a request that can never be served is refused before it takes a "
-            "concurrency slot or a token budget (it is still charged to the request rate, so "
-            "a flood of them is not free); the route's count rule (protocol/routes.py) says "
-            "what its prompt costs",
+            "prompt, max_tokens and structured-output schema limits: a request that can "
+            "never be served is refused before it takes a concurrency slot or a token budget "
+            "(it is still charged to the request rate, so a flood of them is not free); the "
+            "route's count rule (protocol/routes.py) says what its prompt costs",
         ),
         Step(
             "rates",
@@ -142,12 +148,33 @@ def admission_stack(
     )
 
 
-async def _read(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(
-            413, f"Request body is {request.content_length} bytes; the limit is {limit}."
-        )
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"Request body is over the limit of {limit} bytes.") from None
+class PromptTooLarge(Exception):
+    def __init__(self, error: ApiError) -> None:
+        self.error = error
+
+
+async def _read(request: web.Request, max_body_bytes: int, prompt_bound: int | None) -> bytes:
+    """The body, refused (413) as soon as it is known to pass a bound: from Content-Length
+    before a byte is read, or as a chunked body arrives; never joined or parsed past it.
+    What the client still sends, aiohttp reads and drops after the answer (its lingering
+    close), so a client that sends the whole body anyway still reads its 413."""
+    limit = max_body_bytes if prompt_bound is None else min(max_body_bytes, prompt_bound)
+
+    def over(size: int) -> Exception:
+        if size > max_body_bytes:
+            return ApiError(413, f"Request body is {size} bytes; the limit is {max_body_bytes}.")
+        refusal = check_prompt_bytes(size, prompt_bound)
+        assert refusal is not None
+        return PromptTooLarge(refusal)
+
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise over(declared)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise over(size)
+        chunks.append(chunk)
+    return b"".join(chunks)

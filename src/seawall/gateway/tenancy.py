@@ -26,12 +26,12 @@ from seawall.gateway.context import RequestCtx
 from seawall.metrics import Metrics
 from seawall.policy.limits import Reject, TierLimits, check_request
 from seawall.policy.pools import TierPools
+from seawall.protocol.routes import ROUTES
 from seawall.protocol.structured import check_constraints
 from seawall.protocol.tokens import (
     EstimateCounter,
     HFTokenizerCounter,
     TokenCounter,
-    check_prompt_bytes,
     count_request_async,
 )
 from seawall.state.limits import Denied, Lease, LimitsBackend, TenantLimits, denied_error
@@ -121,6 +121,15 @@ class Tenancy:
 
     # -- 2. what the tier allows --------------------------------------------------------
 
+    def body_bound(self, ctx: RequestCtx) -> int | None:
+        """The most bytes this caller's JSON body may have (None: only limits.max_body_bytes).
+        Known from the key, before the body is read: a body over the tier's byte bound
+        cannot hold a prompt the tier allows, so it is refused unread (issue 11, item 5).
+        An upload's bytes are not prompt text: limits.max_body_bytes bounds those."""
+        if ROUTES[ctx.route].body != "json":
+            return None
+        return _pinned(ctx).tiers[ctx.tier].prompt_bytes_limit()
+
     async def tier_limits(self, ctx: RequestCtx) -> None:
         req = ctx.req
         assert req is not None
@@ -131,21 +140,15 @@ class Tenancy:
         ctx.stream.migrate = ctx.stream.track_text = (
             tier.migrate and spec.migratable and req.stream and req.n == 1
         )
-        # The cost of looking is bounded before anything is counted: a body over the
-        # tier's byte bound cannot hold a prompt the tier allows (issue 11, item 5). An
-        # upload's bytes are not prompt text: limits.max_body_bytes bounds those.
-        too_big = (
-            check_prompt_bytes(len(req.raw), tier.prompt_bytes_limit())
-            if spec.body == "json"
-            else None
-        )
-        if too_big is None and req.constraints:
+        # The body's bytes were bounded as it was read (`body_bound`); a schema's size
+        # and depth are bounded before anything is counted.
+        if req.constraints:
             too_big = check_constraints(
                 req.constraints, tier.max_schema_nodes, tier.max_schema_depth
             )
-        if too_big is not None:
-            await self._refused(ctx)
-            raise too_big
+            if too_big is not None:
+                await self.refused(ctx)
+                raise too_big
         # Count only when a limit needs the count; large bodies off the event loop.
         reserve = self.admission.reserves_kv and spec.reserves_kv
         needs_count = (
@@ -162,7 +165,7 @@ class Tenancy:
             count.prompt_tokens if count else 0, requested, limits, spec.prompt_param
         )
         if isinstance(decision, Reject):
-            await self._refused(ctx)
+            await self.refused(ctx)
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
         ctx.prompt_tokens = count.prompt_tokens if count else 0
         if not spec.generates:
@@ -173,7 +176,7 @@ class Tenancy:
             # vLLM clamps prompt + max_tokens to max_model_len, so no sequence grows past it.
             ctx.reserve_tokens = count.kv_tokens(decision.max_tokens, self.max_model_len(req.model))
 
-    async def _refused(self, ctx: RequestCtx) -> None:
+    async def refused(self, ctx: RequestCtx) -> None:
         """A request refused for its size still counts against the tenant's request rate:
         otherwise a flood of oversized requests costs its sender nothing (issue 11, item 5).
         Only the request rate is charged; nothing is held."""
