@@ -102,7 +102,7 @@ async def chromium(profile: Path, log_dir: Path) -> AsyncIterator[Page]:
     with running(proc):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             targets: list[dict[str, Any]] = []
-            for _ in range(100):  # bounded: about 10 s for the browser to listen
+            for _ in range(300):  # bounded: about 30 s for the browser (a loaded machine)
                 try:
                     async with session.get(f"{proc.url}/json") as r:
                         targets = [t for t in await r.json() if t.get("type") == "page"]

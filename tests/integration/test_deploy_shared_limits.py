@@ -102,12 +102,16 @@ def test_one_tenants_limit_holds_across_three_gateways(
     with running(*pods, *sims), httpx.Client(timeout=30) as client:
         for gw in pods:
             wait_http(gw.url + "/readyz?fleet=1", timeout=30, proc=gw)
-        # One fleet of four: the actuator pod leads, every serving pod follows it.
+
+        # One fleet of four: the actuator pod leads, every serving pod follows it (a pod
+        # may see the four instances a heartbeat before it reads who leads them).
+        def settled(gw: Proc) -> bool:
+            cluster = client.get(gw.url + "/readyz").json()["cluster"]
+            return bool(cluster["instances"] == 4 and cluster["leader"])
+
         for gw in pods:
             wait_until(
-                lambda gw=gw: client.get(gw.url + "/readyz").json()["cluster"]["instances"] == 4,
-                15,
-                what=f"four instances seen by {gw.url}",
+                lambda gw=gw: settled(gw), 15, what=f"four instances and a leader seen by {gw.url}"
             )
         roles = {gw.url: client.get(gw.url + "/readyz").json()["cluster"] for gw in pods}
         assert roles[actuator.url]["role"] == "leader", roles

@@ -50,6 +50,7 @@ class Policy:
     keys: KeyStore | None  # None: no tenants, the gateway is open
     limits: Mapping[str, TierLimits]
     pools: Mapping[str, TierPools]  # per tier: its pool order, overflow and failover
+    body_bytes: Mapping[str, int | None]  # per tier: its JSON bodies' byte bound
 
     @classmethod
     def of(cls, config: GatewayConfig) -> Policy:
@@ -62,7 +63,8 @@ class Policy:
         )
         limits = {name: tier.limits() for name, tier in config.tiers.items()}
         pools = {name: tier.pools.policy() for name, tier in config.tiers.items()}
-        return cls(config.tiers, tenants, keys, limits, pools)
+        body_bytes = {name: tier.prompt_bytes_limit() for name, tier in config.tiers.items()}
+        return cls(config.tiers, tenants, keys, limits, pools, body_bytes)
 
 
 class Tenancy:
@@ -128,7 +130,7 @@ class Tenancy:
         An upload's bytes are not prompt text: limits.max_body_bytes bounds those."""
         if ROUTES[ctx.route].body != "json":
             return None
-        return _pinned(ctx).tiers[ctx.tier].prompt_bytes_limit()
+        return _pinned(ctx).body_bytes[ctx.tier]
 
     async def tier_limits(self, ctx: RequestCtx) -> None:
         req = ctx.req
