@@ -72,6 +72,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -296,6 +297,7 @@ class Load:
     ttft: list[float] = field(default_factory=list)  # served attempt -> first token
     wait: list[float] = field(default_factory=list)  # first attempt -> first token
     shed_latency: list[float] = field(default_factory=list)
+    shed_why: dict[str, int] = field(default_factory=dict)  # 429s by the gateway's reason
     done: int = 0
     cut: int = 0
     starved: int = 0  # clients shed at least once and never served during the run
@@ -344,7 +346,8 @@ async def run_clients(
                 if r.status == 429:
                     load.shed_latency.append(time.perf_counter() - sent)
                     shed = True
-                    await r.read()
+                    why = _shed_reason(await r.read())
+                    load.shed_why[why] = load.shed_why.get(why, 0) + 1
                     try:
                         retry_after = float(r.headers.get("Retry-After", args.backoff))
                     except ValueError:
@@ -396,6 +399,18 @@ async def run_clients(
             t.cancel()
         load.cut = len(pending)
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _shed_reason(body: bytes) -> str:
+    """A 429's code and the kind of its message (numbers dropped, so reasons group)."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return "unreadable"
+    message = str(error.get("message", ""))
+    _, _, detail = message.partition("; ")
+    kind = re.sub(r"[-+]?\d[\d.,%]*", "N", detail)[:60]
+    return f"{error.get('code')}: {kind}"
 
 
 @dataclass
@@ -608,6 +623,8 @@ def report(w: Workload, results: list[Result], seconds: float, capacity: int) ->
     for r in results:
         if r.load.other:
             print(f"  {r.mode}: errors {r.load.other}")
+        if r.load.shed_why:
+            print(f"  {r.mode}: shed {r.load.shed_why}")
     by = {r.mode: r for r in results}
     none = by.get("none")
     rows: list[list[Any]] = []

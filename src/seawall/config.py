@@ -349,10 +349,15 @@ class AdaptiveAdmissionConfig(_Strict):
     fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
     lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
     length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.05  # weight of each new completion
-    length_min_samples: Annotated[int, Field(ge=1)] = 3  # before a key's estimate is used
+    length_min_samples: Annotated[int, Field(ge=1)] = 1  # before a key's estimate is used
+    # The first completions are the shortest (the long ones still run): the mean is shrunk
+    # toward max_tokens as if this many had run to it (policy: OutputLengths.estimate).
+    length_prior_samples: Annotated[float, Field(ge=0)] = 0.5
 
     def control(self, metrics_max_age_s: float) -> ControlConfig:
-        fields = self.model_dump(exclude={"length_alpha", "length_min_samples"})
+        fields = self.model_dump(
+            exclude={"length_alpha", "length_min_samples", "length_prior_samples"}
+        )
         fields["fresh_s"] = min(self.fresh_s, metrics_max_age_s / 2)
         return ControlConfig(**fields, metrics_max_age_s=metrics_max_age_s)
 

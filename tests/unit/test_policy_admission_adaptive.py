@@ -111,6 +111,23 @@ def test_the_first_completions_are_trusted_gradually() -> None:
     assert late is not None and late.expected_tokens < 120 + 0.05 * 880
 
 
+def test_by_default_one_completion_ends_the_cold_start() -> None:
+    """Before: three completions, each shrunk toward max_tokens as if two more had run to
+    it, before anything but the worst case was reserved. A fresh gateway in front of an
+    EOS workload (2 sims of 200 blocks, 12 clients) then shed and queued for its first
+    seconds: 87-94% of no admission's tokens/s and a TTFT p99 of seconds (bench_admission
+    eos). Now the first completion counts, shrunk toward max_tokens by half a sample."""
+    lengths = OutputLengths()
+    assert lengths.estimate(KEY, 1000) is None  # nothing seen: the worst case
+    lengths.observe(KEY, 1000, 300)
+    first = lengths.estimate(KEY, 1000)
+    assert first is not None and first.expected_tokens == pytest.approx(300 + 700 / 3)
+    c = ReplicaAdmission(ControlConfig())
+    # 100-token prompts: 40 blocks each by that estimate, against 69 at the worst case.
+    assert fill(c, eos(estimate=first), at=10.0) == 4
+    assert fill(c, eos(estimate=None), at=10.0) == 2
+
+
 def test_learned_length_follows_a_shift_within_a_few_dozen_completions() -> None:
     lengths = OutputLengths(alpha=0.1, prior_samples=0)
     for _ in range(50):

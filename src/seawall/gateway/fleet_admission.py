@@ -88,7 +88,9 @@ class FleetAdmission:
             AdmissionControl(
                 a.control(config.metrics_max_age_s),
                 metrics,
-                OutputLengths(a.length_alpha, a.length_min_samples),
+                OutputLengths(
+                    a.length_alpha, a.length_min_samples, prior_samples=a.length_prior_samples
+                ),
             )
             if config.enabled and config.mode == "adaptive"
             else None
