@@ -157,15 +157,15 @@ def on_fleet_saturated(
         )
 
     if tier_priority > lowest_priority_to_queue or lowest_priority_to_queue < 0 or queue_max <= 0:
-        return shed(f"fleet saturated; priority {tier_priority} is not queued")
+        return shed(f"requests of priority {tier_priority} are not queued")
     tiers = lowest_priority_to_queue + 1
     share = (lowest_priority_to_queue - max(tier_priority, 0) + 1) / tiers
     allowed_len = queue_max * share
     if queue_len >= allowed_len:
         if queue_len >= queue_max:
-            return shed(f"fleet saturated; queue full ({queue_len}/{queue_max})")
+            return shed(f"queue full ({queue_len}/{queue_max})")
         return shed(
-            f"fleet saturated; priority {tier_priority}'s share of the queue is full "
+            f"priority {tier_priority}'s share of the queue is full "
             f"({queue_len}/{allowed_len:g} of {queue_max})"
         )
     return Queue(expected_wait_s=estimated_drain_s(queue_len, completions_per_s))
