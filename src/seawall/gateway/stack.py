@@ -19,7 +19,7 @@ from seawall.gateway.frontdoor import safe_request_id
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.tenancy import Tenancy
 from seawall.protocol.openai import parse
-from seawall.protocol.tokens import check_prompt_bytes
+from seawall.protocol.tokens import PROMPT_TOO_LARGE, check_prompt_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +50,12 @@ def admission_stack(
         tenancy.authenticate(request.headers, ctx)
 
     async def read_body(request: web.Request, ctx: RequestCtx) -> None:
-        bound = tenancy.body_bound(ctx)
         try:
-            raw = await _read(request, max_body_bytes, bound)
-        except PromptTooLarge as e:
-            await tenancy.refused(ctx)  # charged to the request rate, as every size refusal
-            raise e.error from None
+            raw = await _read(request, max_body_bytes, tenancy.body_bound(ctx))
+        except ApiError as e:
+            if e.code == PROMPT_TOO_LARGE:
+                await tenancy.refused(ctx)  # charged to the request rate, as every size refusal
+            raise
         req = ctx.req = parse(ctx.route, raw, request.headers.get("Content-Type"))
         body_id = req.obj.get("request_id")
         if "X-Request-Id" not in request.headers and isinstance(body_id, str):
@@ -148,11 +148,6 @@ def admission_stack(
     )
 
 
-class PromptTooLarge(Exception):
-    def __init__(self, error: ApiError) -> None:
-        self.error = error
-
-
 async def _read(request: web.Request, max_body_bytes: int, prompt_bound: int | None) -> bytes:
     """The body, refused (413) as soon as it is known to pass a bound: from Content-Length
     before a byte is read, or as a chunked body arrives; never joined or parsed past it.
@@ -160,12 +155,12 @@ async def _read(request: web.Request, max_body_bytes: int, prompt_bound: int | N
     close), so a client that sends the whole body anyway still reads its 413."""
     limit = max_body_bytes if prompt_bound is None else min(max_body_bytes, prompt_bound)
 
-    def over(size: int) -> Exception:
+    def over(size: int) -> ApiError:
         if size > max_body_bytes:
             return ApiError(413, f"Request body is {size} bytes; the limit is {max_body_bytes}.")
         refusal = check_prompt_bytes(size, prompt_bound)
-        assert refusal is not None
-        return PromptTooLarge(refusal)
+        assert refusal is not None  # under max_body_bytes, so over the prompt bound
+        return refusal
 
     declared = request.content_length
     if declared is not None and declared > limit:

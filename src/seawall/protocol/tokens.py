@@ -211,6 +211,9 @@ def max_prompt_bytes(
     return max_prompt_tokens * bytes_per_token + allowance_bytes
 
 
+PROMPT_TOO_LARGE = "prompt_too_large"  # the code of a body over its tier's byte bound
+
+
 def check_prompt_bytes(body_bytes: int, limit_bytes: int | None) -> ApiError | None:
     """A 413 for a body over the tier's byte bound, decided before any counting."""
     if limit_bytes is None or body_bytes <= limit_bytes:
@@ -219,7 +222,7 @@ def check_prompt_bytes(body_bytes: int, limit_bytes: int | None) -> ApiError | N
         413,
         f"The request body is {body_bytes} bytes; this tier's prompt limit allows at most "
         f"{limit_bytes} bytes.",
-        code="prompt_too_large",
+        code=PROMPT_TOO_LARGE,
     )
 
 
