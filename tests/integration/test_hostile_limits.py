@@ -26,6 +26,21 @@ pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
 
 
+def _tenant_gateway(artifacts: Path, tier: dict[str, Any]) -> tuple[str, Proc, Proc]:
+    """(key, sim, gateway): one sim behind a gateway with one tenant, on `tier`."""
+    key = new_key()
+    sim = start_sim(artifacts)
+    gw = start_gateway(
+        artifacts,
+        [sim],
+        {
+            "tiers": {"t": tier},
+            "tenants": {"acme": {"tier": "t", "api_key_hashes": [hash_key(key)]}},
+        },
+    )
+    return key, sim, gw
+
+
 def _post(gw: Proc, key: str | None, body: dict[str, Any], path: str = CHAT) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(gw.url + path, json=body, headers=headers, timeout=30)
@@ -34,16 +49,7 @@ def _post(gw: Proc, key: str | None, body: dict[str, Any], path: str = CHAT) -> 
 def test_no_prompt_field_slips_past_a_tier_prompt_limit(artifacts: Path) -> None:
     """Before: a text part whose `text` was a list was not counted, and the emulator
     rendered it into 3,816 prompt tokens against a 200-token tier limit (served, 200)."""
-    key = new_key()
-    sim = start_sim(artifacts)
-    gw = start_gateway(
-        artifacts,
-        [sim],
-        {
-            "tiers": {"small": {"max_prompt_tokens": 200}},
-            "tenants": {"acme": {"tier": "small", "api_key_hashes": [hash_key(key)]}},
-        },
-    )
+    key, sim, gw = _tenant_gateway(artifacts, {"max_prompt_tokens": 200})
     words = ["the seawall holds against the storm"] * 120
     with running(gw, sim):
         as_list = _post(
@@ -167,16 +173,7 @@ def test_client_model_names_do_not_grow_the_metrics(artifacts: Path) -> None:
 
 
 def test_requests_refused_for_size_are_charged_to_the_request_rate(artifacts: Path) -> None:
-    key = new_key()
-    sim = start_sim(artifacts)
-    gw = start_gateway(
-        artifacts,
-        [sim],
-        {
-            "tiers": {"t": {"max_prompt_tokens": 50, "requests_per_min": 5}},
-            "tenants": {"acme": {"tier": "t", "api_key_hashes": [hash_key(key)]}},
-        },
-    )
+    key, sim, gw = _tenant_gateway(artifacts, {"max_prompt_tokens": 50, "requests_per_min": 5})
     with running(gw, sim):
         big = {"model": MODEL, "prompt": "word " * 500, "max_tokens": 2}
         for _ in range(5):
@@ -202,16 +199,7 @@ def test_a_body_over_the_tiers_byte_bound_is_refused_before_it_is_read(artifacts
     stalled other tenants' streams and left the gateway's RSS 3-4x its start. The bound is
     known from the key: the 413 comes from the headers (or, chunked, as soon as the body
     passes the bound), and nothing past the bound is kept."""
-    key = new_key()
-    sim = start_sim(artifacts)
-    gw = start_gateway(
-        artifacts,
-        [sim],
-        {
-            "tiers": {"small": {"max_prompt_tokens": 200}},
-            "tenants": {"acme": {"tier": "small", "api_key_hashes": [hash_key(key)]}},
-        },
-    )
+    key, sim, gw = _tenant_gateway(artifacts, {"max_prompt_tokens": 200})
     with running(gw, sim):
         assert gw.port is not None
         head = (
