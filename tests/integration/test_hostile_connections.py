@@ -14,7 +14,6 @@ short; `bench/bench_hostile.py` runs the 10,000-connection flood with the defaul
 
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
@@ -42,7 +41,7 @@ from tests.support.hostile import (
     ttft_samples,
     wait_for,
 )
-from tests.support.procs import ARTIFACTS, Proc, free_port, seawall_argv, spawn, wait_http
+from tests.support.procs import Proc, free_port, module_artifacts, seawall_argv, spawn, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -99,9 +98,7 @@ def _start_gateway(artifacts: Path, sim: Proc, key: str) -> tuple[Proc, str]:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     raise_own_fd_limit(16384)
-    artifacts = ARTIFACTS / "test_hostile_connections"
-    shutil.rmtree(artifacts, ignore_errors=True)
-    artifacts.mkdir(parents=True)
+    artifacts = module_artifacts("test_hostile_connections")
     key = new_key()
     sim = start_sim(artifacts)
     gw, admin = _start_gateway(artifacts, sim, key)

@@ -14,7 +14,6 @@ most of the suite's time starting processes); each test sends its own connection
 from __future__ import annotations
 
 import gzip
-import shutil
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from tests.support.hostile import (
     resources_return,
     stream_completion,
 )
-from tests.support.procs import ARTIFACTS, Proc
+from tests.support.procs import Proc, module_artifacts
 
 pytestmark = pytest.mark.integration
 
@@ -57,9 +56,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    artifacts = ARTIFACTS / "test_hostile_http"
-    shutil.rmtree(artifacts, ignore_errors=True)
-    artifacts.mkdir(parents=True)
+    artifacts = module_artifacts("test_hostile_http")
     key, other = new_key(), new_key()
     sim = start_sim(artifacts)
     cfg = {

@@ -31,9 +31,9 @@ from seawall.ops import dashboard
 from seawall.ops.promql import exposed_sample_names, metric_names
 from tests.support import prometheus_config
 from tests.support.procs import (
-    ARTIFACTS,
     Proc,
     free_port,
+    module_artifacts,
     require_binary,
     seawall_argv,
     spawn,
@@ -53,7 +53,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
     # slow part, and the export check does not care whether a replica later hangs.
     prometheus = require_binary("prometheus")
     tmp_path = tmp_path_factory.mktemp("ops-live")
-    artifacts = ARTIFACTS / "test_ops_prometheus_live"
+    artifacts = module_artifacts("test_ops_prometheus_live")
     procs: dict[str, Proc] = {}
     try:
         for name in ("sim1", "sim2"):

@@ -33,6 +33,16 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 
 
+def module_artifacts(name: str) -> Path:
+    """A fresh folder under test-artifacts/ for a module-scoped fixture: one per xdist
+    worker, since each worker that runs one of the module's tests starts its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    path = ARTIFACTS / (f"{name}-{worker}" if worker else name)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
