@@ -231,3 +231,24 @@ def test_a_body_over_the_tiers_byte_bound_is_refused_before_it_is_read(artifacts
             assert ok.status_code == 200, ok.text
         grown = rss_kib(gw.pid) / 1024 - rss_before
         assert grown < 15, f"30 refused 3.8 MB bodies left the gateway {grown:.0f} MiB larger"
+
+
+def test_leaving_before_the_usage_chunk_does_not_dodge_the_prompt_token_rate(
+    artifacts: Path,
+) -> None:
+    """Item 6: clients that closed each stream after its first token, before the usage
+    chunk, sent 76,321 prompt tokens in 1.4 s against a 3,000/min tier. A request that
+    reached the engine is charged at least its counted prompt, whatever the client does."""
+    messages = [{"role": "user", "content": "the seawall holds against the storm " * 20}]
+    counted = count_chat_prompt(messages, EstimateCounter())
+    key, sim, gw = _tenant_gateway(artifacts, {"prompt_tokens_per_min": 3 * counted + 1})
+    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    with running(gw, sim), httpx.Client(timeout=30, headers=headers) as c:
+        for _ in range(3):
+            with c.stream("POST", gw.url + CHAT, json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first event; then leave, long before the usage
+        refused = c.post(gw.url + CHAT, json={**body, "stream": False})
+        err = assert_openai_error(refused, 429)
+        assert err["code"] == "rate_limit_exceeded"
