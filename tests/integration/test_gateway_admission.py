@@ -235,3 +235,35 @@ def test_reserve_mode_keeps_todays_worst_case_rule(artifacts: Path) -> None:
     assert statuses == [200] * 8  # queued at the door (queue_timeout 90), then served
     assert peak <= 2
     assert state["replicas"][0]["admission"] is None
+
+
+def test_n_choices_count_as_that_many_sequences_against_inflight_max(artifacts: Path) -> None:
+    """Issue 13: `n > 1` is served and counted as n sequences. With `inflight_max` at the
+    engine's `--max-num-seqs` (what `seawall engine-args` writes), three requests of two
+    choices each are 6 sequences for 4 batch slots: the third waits at the gateway, not in
+    the engine's queue. Counting requests instead let all three in, and two sequences
+    waited in the engine for a whole generation (40 steps of 25 ms)."""
+    sim = start_sim(artifacts, "--max-num-seqs", "4", "--step-base-ms", "25", name="n")
+    gw, _ = gateway(artifacts, [sim], {"mode": "reserve", "inflight_max": 4})
+    body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 40,
+            "ignore_eos": True, "stream": True, "n": 2}  # fmt: skip
+    statuses: list[int] = []
+
+    def one() -> None:
+        r = httpx.post(gw.url + "/v1/completions", json=body, timeout=60)
+        ok = r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+        statuses.append(r.status_code if ok else -1)
+
+    with running(gw, sim):
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        engine = scrape(sim.url)
+    assert statuses == [200] * 3  # the third was queued at the door, then served
+    sequences = metric_sum(engine, "vllm:request_queue_time_seconds_count")
+    queued_s = metric_sum(engine, "vllm:request_queue_time_seconds_sum")
+    assert sequences == 6
+    # each sequence waited in the engine at most a step or two for its batch slot
+    assert queued_s < 6 * 0.1, queued_s

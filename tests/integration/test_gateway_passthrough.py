@@ -17,6 +17,7 @@ import email.message
 import email.parser
 import email.policy
 import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,14 @@ def test_a_bodys_request_id_names_the_response_as_vllm_names_it(fleet: tuple[Pro
     r = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": "hdr"},
                    timeout=30)  # fmt: skip
     assert r.json()["id"] == "cmpl-hdr"
+    # with neither, the gateway's own id, in vLLM's shape (16 hex), named in the header
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                   "max_tokens": 1}, timeout=30)  # fmt: skip
+    assert re.fullmatch(r"cmpl-[0-9a-f]{16}", r.json()["id"])
+    assert r.json()["id"] == "cmpl-" + r.headers["X-Request-Id"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", r.json()["id"])
 
 
 # ------------------------------------------------------------------ with a real client

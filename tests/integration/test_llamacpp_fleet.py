@@ -3,9 +3,9 @@
 Run against a real llama-server, the monitor made three wrong verdicts about healthy
 replicas, and migration miscounted. Each test here reproduced one of them on the code of
 the time. Bug 1 (the progress counter) is fixed in `seawall.fleet.adapters`, bug 2 (the
-deep probe) in the monitor; bugs 3 and 4 are fixed in the proxy by separate work, so
-their tests are strict xfails until that lands (the marker must then go, or the suite
-fails).
+deep probe) in the monitor, bugs 3 (usage after migration) and 4 (migration onto a full
+replica) in the relay and the llama.cpp adapter. Each test was a strict xfail until its fix
+landed.
 
 Request lengths are measured on the running server (`tokens_lasting`), so that a test
 about long requests cannot pass because its requests happened to be short here.

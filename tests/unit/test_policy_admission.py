@@ -50,7 +50,7 @@ def test_inflight_limit_applies_only_when_set_and_needs_no_engine_gauges() -> No
     load = fresh()  # an engine that exports none of the gauges
     assert replica_saturated(load, 7, None, now=100.0, t=limited) is None
     assert replica_saturated(load, 8, None, now=100.0, t=limited) == (
-        "8 requests in flight, at the limit of 8 (inflight_max)"
+        "8 sequences in flight, at the limit of 8 (inflight_max)"
     )
     assert replica_saturated(load, 10_000, None, now=100.0, t=T) is None
 

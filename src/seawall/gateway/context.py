@@ -20,6 +20,7 @@ _ANY_POOL = TierPools()
 
 if TYPE_CHECKING:
     from seawall.gateway.inflight import Hold, Ticket
+    from seawall.gateway.pools import Reach
     from seawall.gateway.telemetry import RequestSpan, TraceContext
     from seawall.gateway.upstream import Opened
     from seawall.state.limits import Lease
@@ -69,6 +70,9 @@ class RequestCtx:
     priority: int = 0  # the tier's: 0 is served first under contention
     pools: TierPools = _ANY_POOL  # the tier's use of pools (gateway/pools.py)
     pool_refused: str | None = None  # the pool that had nothing and would not pass it on
+    # Fleet admission's last look at the replicas, for the dispatcher's first choice (the
+    # same request, the same instant: no second pass over every replica's saturation).
+    reach: Reach | None = None
     status: int = 0
     replica: str = ""
     attempts: int = 0
@@ -83,6 +87,7 @@ class RequestCtx:
     usage: dict[str, Any] | None = None  # the engine's usage, when read
     prompt_tokens: int = 0  # counted at the door (0 when no limit needed the count)
     reserve_tokens: int = 0  # KV tokens this request may grow to (prompt + max_tokens)
+    sequences: int = 1  # engine sequences it runs: prompts x `n` (or `best_of`)
     admission: AdmissionHandle | None = None  # adaptive admission's (admission_control.py)
     stream: StreamState = field(default_factory=StreamState)
     policy: object = None  # the tenancy policy it authenticated under (tenancy.Policy)
@@ -101,5 +106,8 @@ class RequestCtx:
 def new_request_id(incoming: str | None) -> str:
     """The client's X-Request-Id when it is safe to forward and log, otherwise a new one
     (`frontdoor.safe_request_id`: non-ASCII ids cannot be sent on as an HTTP header and
-    would be forwarded as raw bytes that engines reject; a key pasted there is logged)."""
-    return safe_request_id(incoming) or os.urandom(12).hex()
+    would be forwarded as raw bytes that engines reject; a key pasted there is logged).
+
+    A new one is 16 hex digits, vLLM's own: the engine honours the X-Request-Id it is
+    sent, so its ids (`cmpl-…`, `chatcmpl-…`) keep vLLM's shape through the gateway."""
+    return safe_request_id(incoming) or os.urandom(8).hex()

@@ -120,7 +120,12 @@ class Dispatcher:
     def choose(
         self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
     ) -> Replica | None:
-        if self.pools is None:
+        reach, ctx.reach = ctx.reach, None  # admission's look, good for the first choice
+        if reach is not None and not tried:
+            free, saturated = reach.free, reach.saturated
+            if reach.refused_by is not None:
+                ctx.pool_refused = reach.refused_by
+        elif self.pools is None:
             free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
         else:
             reach = self.pools.reach(ctx.model, ctx.pools, now, tried, ctx.reserve_tokens)
@@ -181,7 +186,9 @@ class Dispatcher:
             else None
         )
         trace = span.headers if span is not None else ctx.trace.headers if ctx.trace else None
-        hold = self.ledger.hold(replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size))
+        hold = self.ledger.hold(
+            replica.id, blocks_for(ctx.reserve_tokens, replica.kv_block_size), ctx.sequences
+        )
         if ctx.admission is not None:
             ctx.admission.bind(replica.id, hold)
         try:

@@ -32,13 +32,13 @@ from collections import Counter, deque
 
 from seawall import clock
 from seawall.cluster.report import KV_HELD, KV_WANTED, SEQS_HELD, SEQS_WANTED
-from seawall.config import AdmissionConfig
+from seawall.config import DEFAULT_POOL, AdmissionConfig
 from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_quota import Grants, ReplicaGrant, capacity_of
-from seawall.gateway.pools import PoolRouter
+from seawall.gateway.pools import PoolRouter, Reach
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.metrics import Metrics
@@ -250,10 +250,17 @@ class FleetAdmission:
         return h.digest()
 
     def _reach(self, ctx: RequestCtx, now: float) -> tuple[list[Replica], list[Replica]]:
-        """The replicas this request may use: its pools, as its tier allows (pools.py)."""
+        """The replicas this request may use: its pools, as its tier allows (pools.py).
+        Kept on `ctx.reach` for the dispatcher's first choice, which follows without a
+        pause when the request is admitted."""
         if self.pools is None:
-            return self.replicas.candidates(ctx.model, now, need_tokens=ctx.reserve_tokens)
-        reach = self.pools.reach(ctx.model, ctx.pools, now, need_tokens=ctx.reserve_tokens)
+            free, saturated = self.replicas.candidates(
+                ctx.model, now, need_tokens=ctx.reserve_tokens
+            )
+            reach = Reach(free, saturated, DEFAULT_POOL if free or saturated else None)
+        else:
+            reach = self.pools.reach(ctx.model, ctx.pools, now, need_tokens=ctx.reserve_tokens)
+        ctx.reach = reach
         return reach.free, reach.saturated
 
     def shed(self, ctx: RequestCtx, reason: str) -> None:
@@ -306,8 +313,8 @@ class FleetAdmission:
         return {
             KV_HELD: held_kv,
             KV_WANTED: held_kv + queued_blocks + refused_blocks,
-            SEQS_HELD: float(counts.requests),
-            SEQS_WANTED: float(counts.requests + queued + refused_n),
+            SEQS_HELD: float(counts.sequences),
+            SEQS_WANTED: float(counts.sequences + queued + refused_n),
         }
 
     def completions_per_s(self, now: float, window_s: float = 10.0) -> float:
@@ -334,11 +341,11 @@ class FleetAdmission:
                 # Cut off from the store before the leader granted it anything: an even
                 # share (None while the store answers: the grant is on its way).
                 grant = self.grants.fallback(capacity_of(load, *self.divided())) or grant
-            seq_reason = self._seqs_over(grant, counts.requests)
+            seq_reason = self._seqs_over(grant, counts.sequences)
             if seq_reason:
                 return seq_reason
         if self.control is not None and load.kv_capacity_tokens:
-            reason = replica_saturated(load, counts.requests, None, now, self.thresholds_adaptive)
+            reason = replica_saturated(load, counts.sequences, None, now, self.thresholds_adaptive)
             if reason:
                 return reason
             if grant is None or (self.grants is not None and grant.kv_blocks is None):
@@ -352,7 +359,7 @@ class FleetAdmission:
         # With exact reservations the KV gauge adds nothing but lag: a slot freed a moment
         # ago still shows as used until the next scrape, and would shed for no reason.
         thresholds = self.thresholds_reserving if reserving else self.thresholds
-        reason = replica_saturated(load, counts.requests, rate, now, thresholds)
+        reason = replica_saturated(load, counts.sequences, rate, now, thresholds)
         if reason or not reserving or load.kv_capacity_tokens is None:
             return reason
         if load.kv_block_size:
@@ -388,7 +395,7 @@ class FleetAdmission:
             return NO_GRANT
         if in_flight >= grant.seqs:
             return (
-                f"{in_flight} requests in flight through this gateway instance, at its "
+                f"{in_flight} sequences in flight through this gateway instance, at its "
                 f"share of {grant.seqs} of the replica's {grant.seqs_of} (inflight_max)"
             )
         return None

@@ -30,6 +30,7 @@ class Counts:
     """One replica's work in flight through this gateway."""
 
     requests: int = 0  # attempts open on the replica, streamed or not
+    sequences: int = 0  # the engine sequences they run (`n` per prompt: `inflight_max`)
     streams: int = 0  # of those, streaming responses being relayed
     kv_blocks: int = 0  # KV blocks they may grow to (admission's reservations)
 
@@ -37,16 +38,22 @@ class Counts:
 class Hold:
     """One attempt's claim on one replica. Release it exactly once (later calls do nothing)."""
 
-    __slots__ = ("_ledger", "_released", "counts", "kv_blocks", "replica_id", "streaming")
+    __slots__ = (
+        "_ledger", "_released", "counts", "kv_blocks", "replica_id", "sequences", "streaming"
+    )  # fmt: skip
 
-    def __init__(self, ledger: InFlight, replica_id: str, counts: Counts, kv_blocks: int) -> None:
+    def __init__(
+        self, ledger: InFlight, replica_id: str, counts: Counts, kv_blocks: int, sequences: int
+    ) -> None:
         self._ledger = ledger
         self.replica_id = replica_id
         self.counts = counts
         self.kv_blocks = kv_blocks
+        self.sequences = sequences
         self.streaming = False
         self._released = False
         counts.requests += 1
+        counts.sequences += sequences
         counts.kv_blocks += kv_blocks
 
     def stream(self) -> None:
@@ -65,6 +72,7 @@ class Hold:
         self._released = True
         counts = self.counts
         counts.requests -= 1
+        counts.sequences -= self.sequences
         counts.kv_blocks -= self.kv_blocks
         if self.streaming:
             counts.streams -= 1
@@ -124,8 +132,8 @@ class InFlight:
             counts = self._counts[replica_id] = Counts()
         return counts
 
-    def hold(self, replica_id: str, kv_blocks: int = 0) -> Hold:
-        return Hold(self, replica_id, self.counts(replica_id), kv_blocks)
+    def hold(self, replica_id: str, kv_blocks: int = 0, sequences: int = 1) -> Hold:
+        return Hold(self, replica_id, self.counts(replica_id), kv_blocks, sequences)
 
     def forget(self, replica_id: str) -> None:
         """A replica left the fleet. Holds still open on it release into the old counts."""

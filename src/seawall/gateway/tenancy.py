@@ -170,6 +170,7 @@ class Tenancy:
             await self.refused(ctx)
             raise ApiError(decision.status, decision.message, decision.param, decision.code)
         ctx.prompt_tokens = count.prompt_tokens if count else 0
+        ctx.sequences = count.sequences if count else req.n  # uncounted: one prompt
         if not spec.generates:
             return  # no output to bound, no KV held past the forward pass
         if decision.max_tokens != requested:

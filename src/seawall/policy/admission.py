@@ -78,7 +78,7 @@ class AdmissionThresholds:
 
 def replica_saturated(
     load: EngineLoad | None,
-    inflight: int,
+    inflight: int,  # engine sequences in flight through this gateway (`n` per prompt)
     preemption_rate_per_s: float | None,
     now: float,
     t: AdmissionThresholds,
@@ -87,7 +87,7 @@ def replica_saturated(
     if load is None or now - load.scraped_at > t.metrics_max_age_s:
         return METRICS_STALE
     if t.inflight_max is not None and inflight >= t.inflight_max:
-        return f"{inflight} requests in flight, at the limit of {t.inflight_max} (inflight_max)"
+        return f"{inflight} sequences in flight, at the limit of {t.inflight_max} (inflight_max)"
     if load.kv_usage is not None and load.kv_usage > t.kv_usage_max:
         return f"kv cache {load.kv_usage:.0%} used, over {t.kv_usage_max:.0%} (kv_usage_max)"
     if load.waiting is not None and load.waiting > t.waiting_max:
