@@ -36,6 +36,7 @@ ADMIN_TOKEN = "sk-sw-admin-pools-0000000000000000000000000000000"
 GOLD = "sk-sw-pools-gold-00000000000000000000000000000000"
 FREE = "sk-sw-pools-free-00000000000000000000000000000000"
 WAN_S = 0.02  # one-way latency to the remote region
+WEST_KEY = "sk-sw-pools-east-region-0000000000000000000000000"  # the standby's tenant key
 
 
 def config(pools: dict[str, Any], replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -147,18 +148,32 @@ class Clients:
 def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_token(
     artifacts: Path,
 ) -> None:
+    """The standby region is another Seawall that wants an API key, which this gateway
+    reads from its environment (`${WEST_API_KEY}`): its probes carry the key as its
+    requests do, or the standby never becomes routable and a pool loss is a 503."""
     east_ports = [free_port(), free_port()]
     east = [start_sim(artifacts, name=f"east{i}", port=p) for i, p in enumerate(east_ports)]
-    west = start_sim(artifacts, name="west")
-    with running(west), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
+    west_sim = start_sim(artifacts, name="west")
+    west = start_gateway(
+        artifacts,
+        [west_sim],
+        {"tenants": {"east-region": {"api_key_hashes": [hash_key(WEST_KEY)]}}},
+        name="west-gateway",
+    )
+    with running(west, west_sim), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
+        probe = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(wan.url + "/v1/completions", json=probe, timeout=5).status_code == 401
         pools = {
             "east": {"priority": 0},
             "west": {"priority": 1, "mode": "passive", "timeouts": {"ttft_s": 30}},
         }
         replicas = [replica(f"e{i}", s.url, "east") for i, s in enumerate(east)]
-        replicas.append(replica("w0", wan.url, "west"))
+        # Another gateway: no engine /metrics of its own to read, the deep probe decides.
+        replicas.append(
+            {**replica("w0", wan.url, "west"), "engine": "openai", "api_key": "${WEST_API_KEY}"}
+        )
         cfg = config(pools, replicas)
-        gw = start_gateway(artifacts, [], cfg)
+        gw = start_gateway(artifacts, [], cfg, env={"WEST_API_KEY": WEST_KEY})
         with running(gw):
             wait_until(lambda: routable(gw, cfg, ["e0", "e1", "w0"]), 20, what="all routable")
             wait_until(lambda: serving(gw, cfg) == "east", 10, what="east serving")
@@ -167,6 +182,9 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
             try:
                 wait_until(lambda: sum(o.ok for o in gold.outcomes) >= 8, 20, what="traffic")
                 before_kill = len(gold.outcomes)
+                # A passive pool takes no traffic while the active one is healthy.
+                m = scrape(gw.url)
+                assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0") == 0
                 for s in east:
                     s.popen.send_signal(signal.SIGKILL)
                 wait_until(lambda: serving(gw, cfg) == "west", 15, what="failover to west")

@@ -103,8 +103,12 @@ class FleetMonitor:
         score: HealthScore | None = None,
         rng: random.Random | None = None,
         leading: bool = True,
+        credentials: Callable[[str], str | None] | None = None,
     ) -> None:
         self.config = config
+        # A replica's API key, read at each probe (a reload may change it); never stored
+        # in its spec, which is logged, published and compared.
+        self._credentials = credentials
         self.actuator: Actuator = actuator or NoActuator()
         self.signals: GatewaySignals = signals or NoGatewaySignals()
         self._th = _thresholds(config)
@@ -536,7 +540,11 @@ class FleetMonitor:
             generation = rep.generation
             sent_at = clock.monotonic()
             result = await probes.liveness(
-                self.session, rep.spec.url, cfg.liveness_timeout_s, cfg.liveness_path
+                self.session,
+                rep.spec.url,
+                cfg.liveness_timeout_s,
+                cfg.liveness_path,
+                self._auth(rep),
             )
             now = clock.monotonic()
             if generation == rep.generation and rep.state is not State.restarting:
@@ -564,7 +572,9 @@ class FleetMonitor:
                 return
             if rep.state not in (State.restarting, State.dead):
                 generation = rep.generation
-                text = await probes.scrape_text(self.session, rep.spec.url, cfg.scrape_timeout_s)
+                text = await probes.scrape_text(
+                    self.session, rep.spec.url, cfg.scrape_timeout_s, headers=self._auth(rep)
+                )
                 if generation == rep.generation:
                     if isinstance(text, probes.ScrapeError):
                         rep.scrape_note = f"scrape failed: {text.reason}"
@@ -629,7 +639,12 @@ class FleetMonitor:
         chunks_before = self.signals.chunks_relayed_total(rid)
         sent_at = clock.monotonic()
         result = await probes.deep_probe(
-            self.session, rep.spec.url, model, cfg.deep_probe_timeout_s, cfg.deep_probe_path
+            self.session,
+            rep.spec.url,
+            model,
+            cfg.deep_probe_timeout_s,
+            cfg.deep_probe_path,
+            self._auth(rep),
         )
         now = clock.monotonic()
         tokens_after = rep.load.generation_tokens_total if rep.load is not None else None
@@ -658,10 +673,16 @@ class FleetMonitor:
         finally:
             rep.verifying = False
 
+    def _auth(self, rep: TrackedReplica) -> dict[str, str] | None:
+        """The replica's credential as a header, as the request path sends it."""
+        key = self._credentials(rep.spec.replica_id) if self._credentials else None
+        return {"Authorization": f"Bearer {key}"} if key else None
+
     async def _discover_model(self, rep: TrackedReplica) -> str:
         try:
             async with self.session.get(
                 rep.spec.url.rstrip("/") + "/v1/models",
+                headers=self._auth(rep),
                 timeout=aiohttp.ClientTimeout(total=self.config.deep_probe_timeout_s),
             ) as resp:
                 data = orjson.loads(await resp.read()) if resp.status == 200 else {}

@@ -15,6 +15,7 @@ the engine moves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,13 +56,18 @@ class ScrapeError:
 
 
 async def liveness(
-    session: aiohttp.ClientSession, url: str, timeout_s: float, path: str = "/health"
+    session: aiohttp.ClientSession,
+    url: str,
+    timeout_s: float,
+    path: str = "/health",
+    headers: Mapping[str, str] | None = None,
 ) -> ProbeResult:
-    """GET /health: 200 means the server and (for vLLM) the engine process are alive."""
+    """GET /health: 200 means the server and (for vLLM) the engine process are alive.
+    `headers`: the replica's credential, when it has one (every probe sends it)."""
     started = clock.monotonic()
     try:
         async with session.get(
-            _join(url, path), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            _join(url, path), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             await resp.read()
             latency = clock.monotonic() - started
@@ -78,6 +84,7 @@ async def deep_probe(
     model: str,
     timeout_s: float,
     path: str = "/v1/completions",
+    headers: Mapping[str, str] | None = None,
 ) -> ProbeResult:
     """A real one-token completion (`max_tokens: 1, temperature: 0`): proves generation moves.
 
@@ -89,7 +96,7 @@ async def deep_probe(
         async with session.post(
             _join(url, path),
             data=orjson.dumps(body),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             raw = await resp.read()
@@ -116,12 +123,16 @@ async def deep_probe(
 
 
 async def scrape_text(
-    session: aiohttp.ClientSession, url: str, timeout_s: float, path: str = "/metrics"
+    session: aiohttp.ClientSession,
+    url: str,
+    timeout_s: float,
+    path: str = "/metrics",
+    headers: Mapping[str, str] | None = None,
 ) -> str | ScrapeError:
     try:
         async with session.get(
             _join(url, path),
-            headers=SCRAPE_HEADERS,
+            headers={**SCRAPE_HEADERS, **headers} if headers else SCRAPE_HEADERS,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             text = await resp.text(errors="replace")

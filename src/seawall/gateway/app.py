@@ -176,6 +176,7 @@ class Gateway:
             signals=signals,
             ledger=restart_ledger,
             leading=self.cluster is None,
+            credentials=self._replica_key,
         )
         self.replicas.snapshot = self.monitor.snapshot
         if self.cluster is not None:
@@ -421,6 +422,11 @@ class Gateway:
             deep_probe_min_interval_s=self._pool_probe_floor(pool),
         )
         return self._add(spec, api_key, model_name)
+
+    def _replica_key(self, replica_id: str) -> str | None:
+        """The API key the fleet monitor's probes send to a replica (its requests' own)."""
+        replica = self.replicas.get(replica_id)
+        return replica.api_key if replica is not None else None
 
     def _pool_probe_floor(self, pool: str) -> float | None:
         cfg = self.config.pools.get(pool)

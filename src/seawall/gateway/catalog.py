@@ -55,8 +55,9 @@ class ModelCatalog:
             ]
             for r in pending:
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else None
                     async with session.get(
-                        r.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                        r.url + "/v1/models", headers=auth, timeout=aiohttp.ClientTimeout(total=2.0)
                     ) as resp:
                         if resp.status != 200:
                             continue
