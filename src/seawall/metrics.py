@@ -10,6 +10,7 @@ holds the families for one registry.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import (
@@ -361,16 +362,21 @@ class Metrics:
         replicas: Iterable[tuple[str, str]] = (),
         models: Iterable[str] = (),
         tenants: Mapping[str, str] | None = None,
+        pools: Iterable[str] = (),
     ) -> None:
         """Create every series the gateway can name in advance, at zero, and forget the
         per-replica series of replicas seeded before and gone now.
 
         `replicas`: (replica id, node) pairs; `tenants`: tenant -> tier (None or empty:
-        the anonymous tenant of an open gateway). Idempotent and cheap: the gateway calls
+        the anonymous tenant of an open gateway); `pools`: the configured pools (with
+        two or more, every model's moves between any two of them: a pool loss is rare, and
+        `increase()` over a series born at 1 would miss it). Idempotent and cheap: the gateway calls
         it at start and on every scrape, so replicas added or removed since, and models
         discovered since, are covered. Existing values are never changed.
         """
         replica_nodes = dict(replicas)
+        pool_names = list(pools)
+        models = list(models)
         for replica_id, node in replica_nodes.items():
             self.upstream_connections.labels(replica_id)
             self.deep_probe_failures.labels(replica_id)
@@ -389,6 +395,9 @@ class Metrics:
             self.queue_depth.labels(model)
             self.ttft.labels(model)
             self.e2e.labels(model)
+            for a, b in itertools.permutations(pool_names, 2):
+                self.pool_failovers.labels(model, a, b)
+                self.pool_failbacks.labels(model, a, b)
         for tenant, tier in (tenants or {ANONYMOUS_TENANT: DEFAULT_TIER}).items():
             for reason in SHED_REASONS:
                 self.shed.labels(tenant, tier, reason)

@@ -185,6 +185,13 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
                 # A passive pool takes no traffic while the active one is healthy.
                 m = scrape(gw.url)
                 assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0") == 0
+                # Every move the pools allow is a series at 0 before it happens, so that
+                # Prometheus's increase() (and `seawall budget --from-prometheus`) sees
+                # the first one.
+                for family in ("seawall_pool_failovers_total", "seawall_pool_failbacks_total"):
+                    for a, b in (("east", "west"), ("west", "east")):
+                        key = f'{family}{{from_pool="{a}",model="{MODEL}",to_pool="{b}"}}'
+                        assert m.get(key) == 0, key
                 for s in east:
                     s.popen.send_signal(signal.SIGKILL)
                 wait_until(lambda: serving(gw, cfg) == "west", 15, what="failover to west")

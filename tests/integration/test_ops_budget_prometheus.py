@@ -148,10 +148,10 @@ def test_budget_reads_measured_inputs_from_prometheus(tmp_path: Path, artifacts:
 
 # --- pools (issue 16) ------------------------------------------------------------------
 #
-# The gateway does not export the pool families yet (the lead is wiring pools into it):
-# these series stand in for them, under the exact names in `seawall.metrics`, so that
-# the PromQL is checked against a real Prometheus now. The per-replica families
-# (in-flight, replica state, restarts, e2e) are the ones the gateway exports today.
+# A day of pool history, written as the gateway exports it (the exact names and labels
+# in `seawall.metrics`, the move counters from 0 as `Metrics.seed` creates them), so that
+# the PromQL is checked against a real Prometheus over hours no test can wait for. The
+# gateway's own export of these families is checked live in test_gateway_pools.py.
 
 EAST = ("r1", "r2", "r3", "r4")
 WEST = ("r5", "r6")
