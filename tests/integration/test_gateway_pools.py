@@ -35,6 +35,7 @@ pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "sk-sw-admin-pools-0000000000000000000000000000000"
 GOLD = "sk-sw-pools-gold-00000000000000000000000000000000"
 FREE = "sk-sw-pools-free-00000000000000000000000000000000"
+WESTWARD = "sk-sw-pools-westward-0000000000000000000000000000"  # a tier of its own order
 WAN_S = 0.02  # one-way latency to the remote region
 WEST_KEY = "sk-sw-pools-east-region-0000000000000000000000000"  # the standby's tenant key
 
@@ -47,8 +48,10 @@ def config(pools: dict[str, Any], replicas: list[dict[str, Any]], **extra: Any) 
         "tiers": {
             "gold": {"priority": 0},
             "free": {"priority": 1, "pools": {"overflow": False, "failover": False}},
+            "westward": {"priority": 0, "pools": {"order": ["west", "east"]}},
         },
         "tenants": {
+            "westward": {"tier": "westward", "api_key_hashes": [hash_key(WESTWARD)]},
             "gold": {"tier": "gold", "api_key_hashes": [hash_key(GOLD)]},
             "free": {"tier": "free", "api_key_hashes": [hash_key(FREE)]},
         },
@@ -106,6 +109,7 @@ class Clients:
     url: str
     key: str
     max_tokens: int = 20
+    prompt: str = "pools"  # what a relay's bytes tell this tenant's requests by
     outcomes: list[Outcome] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -116,7 +120,8 @@ class Clients:
         return threads
 
     def _loop(self, limit_s: float) -> None:
-        body = {"model": MODEL, "prompt": "pools", "max_tokens": self.max_tokens, "stream": True}
+        body = {"model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens}
+        body["stream"] = True
         body["ignore_eos"] = True
         end = time.monotonic() + limit_s
         with httpx.Client(timeout=30) as c:
@@ -262,7 +267,8 @@ def test_overflow_keeps_preemptions_at_zero_and_sheds_only_the_tier_that_may_not
         with running(gw):
             wait_until(lambda: routable(gw, cfg, ["e0", "w0", "w1"]), 20, what="routable")
             # East holds about 11 of these (200 tokens each, 160 blocks of 16): 3x is 33.
-            gold, free = Clients(gw.url, GOLD, 200), Clients(gw.url, FREE, 200)
+            gold = Clients(gw.url, GOLD, 200, "pools gold")
+            free = Clients(gw.url, FREE, 200, "pools free")
             threads = gold.run(17, limit_s=12) + free.run(16, limit_s=12)
             for t in threads:
                 t.join(timeout=60)
@@ -277,6 +283,21 @@ def test_overflow_keeps_preemptions_at_zero_and_sheds_only_the_tier_that_may_not
                 for r in ("w0", "w1")
             )
             assert west_ok > 0  # gold overflowed to the next region
+            # ... and free never did: none of its requests crossed to the remote region.
+            crossed = bytes(wan0.sent + wan1.sent)
+            assert b"pools gold" in crossed and b"pools free" not in crossed
+            # A tier with an order of its own starts in its own first pool, though the
+            # fleet's first pool is healthy and idle now.
+            for i in range(4):
+                r = httpx.post(
+                    gw.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": f"pools westward {i}", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {WESTWARD}"},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+            crossed = bytes(wan0.sent + wan1.sent)
+            assert all(f"pools westward {i}".encode() in crossed for i in range(4))
             assert all(o.status in (200, 429) for o in gold.outcomes + free.outcomes)
 
 

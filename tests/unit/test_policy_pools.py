@@ -93,6 +93,12 @@ def test_a_tier_that_may_not_leave_keeps_its_own_first_pool() -> None:
 def test_a_tier_order_of_its_own() -> None:
     own = TierPools(order=("west", "east"), failover=False)
     assert route_order("east", POOLS, own) == ("west", "east")
+    # May fail over: its own order still holds while the fleet serves from its first
+    # choice's peer (east is up: nothing was failed over from) ...
+    assert route_order("east", POOLS, TierPools(order=("west", "east"))) == ("west", "east")
+    # ... and a pool the fleet failed over from goes last.
+    assert route_order("west", POOLS, TierPools(order=("east", "west"))) == ("west", "east")
+    assert route_order("west", POOLS, TierPools()) == ("west", "east")
     assert route_order("east", POOLS, TierPools(order=("nowhere",))) == ("east", "west")
 
 

@@ -117,9 +117,10 @@ class PoolRouter:
         queue_in: Reach | None = None
         serving = self.serving(model)
         failing_over = False  # why the request moved on from the pool before this one
-        for i, name in enumerate(route_order(serving, specs, tier)):
+        for name in route_order(serving, specs, tier):
             pool = self._pools[name]
-            if i > 0 and not may_enter(pool.spec, serving, failing_over):
+            # A passive pool, even first in a tier's own order, waits for a failover.
+            if not may_enter(pool.spec, serving, failing_over):
                 continue
             free: list[Replica] = []
             saturated: list[Replica] = []

@@ -182,16 +182,20 @@ def step(
 
 
 def route_order(serving: str | None, pools: Sequence[PoolSpec], tier: TierPools) -> tuple[str, ...]:
-    """The pools one request of `tier` may try, in order. A tier that may fail over
-    starts where the fleet serves now; one that may not keeps its own first pool."""
-    known = {p.name for p in pools}
-    order = tuple(n for n in tier.order if n in known) or tuple(p.name for p in ordered(pools))
+    """The pools one request of `tier` may try, in order: the tier's own order (default:
+    the pools' priority). A tier that may fail over leaves the pools the fleet has failed
+    over from (those ranked above the one serving now) for last; one that may not keeps
+    its own first pool, down or not."""
+    fleet = tuple(p.name for p in ordered(pools))
+    order = tuple(n for n in tier.order if n in fleet) or fleet
     if not order:
         return ()
     if not tier.failover and not tier.overflow:
         return order[:1]
-    if tier.failover and serving in order and serving != order[0]:
-        order = (serving, *(n for n in order if n != serving))
+    if tier.failover and serving in fleet:
+        down = set(fleet[: fleet.index(serving)])
+        if down & set(order):
+            order = (*(n for n in order if n not in down), *(n for n in order if n in down))
     return order
 
 
