@@ -48,7 +48,10 @@ def config(pools: dict[str, Any], replicas: list[dict[str, Any]], **extra: Any) 
         "tiers": {
             "gold": {"priority": 0},
             "free": {"priority": 1, "pools": {"overflow": False, "failover": False}},
-            "westward": {"priority": 0, "pools": {"order": ["west", "east"]}},
+            "westward": {
+                "priority": 0,
+                "pools": {"order": [p for p in ("west", "east") if p in pools]},
+            },
         },
         "tenants": {
             "westward": {"tier": "westward", "api_key_hashes": [hash_key(WESTWARD)]},
@@ -345,3 +348,38 @@ def test_a_failing_remote_pool_is_cut_off_by_its_breaker_and_probed_at_its_own_r
             sent = wan.sent.count(b"POST /v1/completions") - probes_at_start
             # Three requests plus, in 6 s, at most two deep probes at one per 4 s.
             assert sent <= 3 + 2, sent
+
+
+def test_a_remote_pool_has_timeouts_of_its_own(artifacts: Path) -> None:
+    """The gateway's timeouts are sized for its own region (first token in 1 s, a gap of
+    1 s between tokens); the remote region, reached over a WAN and slower per step, gets
+    the budgets its pool names, for the first token and for the stream after it."""
+    east = start_sim(artifacts, name="east")
+    west = start_sim(artifacts, "--step-base-ms", "1300", name="west")  # a 1.3 s step
+    with running(east, west), ChoppingRelay(west.port or 0, piece=None, delay_s=0.2) as wan:
+        pools = {
+            "east": {"priority": 0},
+            "west": {"priority": 1, "timeouts": {"ttft_s": 10, "itl_s": 5}},
+        }
+        replicas = [replica("e0", east.url, "east"), replica("w0", wan.url, "west")]
+        cfg = config(pools, replicas, timeouts={"ttft_s": 1, "itl_s": 1, "total_s": 60})
+        cfg["fleet"] = {**cfg["fleet"], "deep_probe_timeout_s": 10}
+        gw = start_gateway(artifacts, [], cfg)
+        with running(gw):
+            wait_until(lambda: routable(gw, cfg, ["e0", "w0"]), 30, what="routable")
+            body = {"model": MODEL, "prompt": "pools westward", "max_tokens": 3,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            started = time.monotonic()
+            r = httpx.post(
+                gw.url + "/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {WESTWARD}"},  # west first
+                timeout=60,
+            )
+            took = time.monotonic() - started
+            assert r.status_code == 200, r.text
+            assert r.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.content
+            assert took > 2.5  # it really ran in the slow region, past both local budgets
+            m = scrape(gw.url)
+            assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") == 1
+            assert metric_sum(m, "seawall_upstream_attempts_total", replica="e0") == 0

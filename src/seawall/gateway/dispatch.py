@@ -166,18 +166,21 @@ class Dispatcher:
             engine = self.replicas.view(replica, self.replicas.snapshot()).engine
             counted, strip = counting_request(body, engine or replica.engine)
             body = encode_body(counted)
-        # A remote pool has its own first-token budget (a WAN hop, another gateway's queue).
+        # A remote pool has timeouts of its own (a WAN hop, another gateway's queue): its
+        # first-token budget for this attempt, and once it answers, its inter-token gap
+        # and total for the rest of the request.
         pool = self.pools.timeouts(replica.pool) if self.pools is not None else None
-        base_ttft_s = ctx.timeouts.ttft_s
-        if pool is not None and pool.timeouts is not None and pool.timeouts.ttft_s is not None:
-            base_ttft_s = pool.timeouts.ttft_s
-        first_token_s = base_ttft_s if ttft_s is None else min(ttft_s, base_ttft_s)
+        timeouts = ctx.timeouts
+        if pool is not None and pool.timeouts is not None:
+            timeouts = pool.timeouts.apply(timeouts)
+        first_token_s = timeouts.ttft_s if ttft_s is None else min(ttft_s, timeouts.ttft_s)
         if self.pools is not None and not self.pools.allows(replica.pool, clock.monotonic()):
             # The pool's breaker let another request take its one trial meanwhile.
             raise AttemptFailed(
                 Failure(Attempt.connect_error, f"the circuit to pool {replica.pool} is open")
             )
-        wait = first_token_wait(clock.monotonic(), ctx.deadline, first_token_s, req.stream)
+        deadline = ctx.started + timeouts.total_s
+        wait = first_token_wait(clock.monotonic(), deadline, first_token_s, req.stream)
         # With tracing on, the attempt's own span is the replica's parent; otherwise the
         # client's trace context goes on as it came (telemetry.py).
         span = (
@@ -219,6 +222,7 @@ class Dispatcher:
             raise
         opened.hold = hold
         opened.strip = strip
+        ctx.timeouts = timeouts  # the relay's inter-token gap and deadline: this pool's
         if self.pools is not None:
             self.pools.record(replica.pool, True, clock.monotonic())
         if served is not None:
