@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from tests.support.fleet import (
     start_sim,
     wait_until,
 )
-from tests.support.procs import Proc, free_port
+from tests.support.procs import Proc, free_port, seawall_argv
 
 pytestmark = pytest.mark.integration
 
@@ -227,6 +228,31 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
                 east_up_wall = time.time()
                 assert serving(gw, cfg) == "west"  # not on the first healthy probe
                 wait_until(lambda: serving(gw, cfg) == "east", 20, what="failback to east")
+                # `seawall map` tells the operator where each model is served and what moved.
+                admin = f"http://127.0.0.1:{cfg['admin']['port']}"
+                shown = subprocess.run(
+                    seawall_argv("map", "--admin", admin, "--admin-token", ADMIN_TOKEN),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=True,
+                ).stdout
+                assert f"east (active, 2/2 routable serving {MODEL})" in shown, shown
+                assert "west (passive, 1/1 routable)" in shown, shown
+                assert "last move: failback west -> east" in shown, shown
+                assert "default (" not in shown  # no pool that no replica is in
+                # What the gateway recorded, read while east is still up (stopping it
+                # below is a pool loss of its own).
+                gold.stop.set()
+                for t in threads:
+                    t.join(timeout=40)
+                events = [e for e in admin_state(gw, cfg)["pool_events"] if e["change"] != "first"]
+                m = scrape(gw.url)
+                written = yaml.safe_load(Path(str(gw.extra["config_path"])).read_text())
+                ledger = sqlite3.connect(written["fleet"]["ledger_path"])
+                query = "SELECT change, from_pool, to_pool FROM pool_events"
+                wait_until(lambda: len(ledger.execute(query).fetchall()) >= 2, 10, what="ledger")
+                rows = ledger.execute(query).fetchall()
             finally:
                 gold.stop.set()
                 for t in threads:
@@ -237,19 +263,14 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
             # Anything that failed had its first token already (cut mid-stream by the
             # crash); nothing failed before it.
             assert all(o.first_token for o in failed), failed
-            events = [e for e in admin_state(gw, cfg)["pool_events"] if e["change"] != "first"]
             assert [(e["change"], e["from"], e["to"]) for e in events] == [
                 ("failover", "east", "west"),
                 ("failback", "west", "east"),
             ]
             assert events[1]["at_wall"] - east_up_wall > 2.0  # the failback hold
-            m = scrape(gw.url)
             assert metric_sum(m, "seawall_pool_failovers_total", to_pool="west") == 1
             assert metric_sum(m, "seawall_pool_failbacks_total", to_pool="east") == 1
             assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") > 0
-            written = yaml.safe_load(Path(str(gw.extra["config_path"])).read_text())
-            ledger = sqlite3.connect(written["fleet"]["ledger_path"])
-            rows = ledger.execute("SELECT change, from_pool, to_pool FROM pool_events").fetchall()
             assert rows == [("failover", "east", "west"), ("failback", "west", "east")]
 
 

@@ -731,7 +731,9 @@ class Gateway:
             replicas=[(r.id, failure_domain(r.node, r.id)) for r in self.replicas.all()],
             models=self.replicas.models(),
             tenants={name: t.tier for name, t in self.config.tenants.items()},
-            pools=self.config.pools if len(self.config.pools) > 1 else (),
+            pools=sorted({r.pool for r in self.replicas.all()})
+            if len(self.config.pools) > 1
+            else (),
         )
 
     def _metrics_public(self) -> bool:

@@ -206,6 +206,8 @@ class PoolRouter:
         for name, p in sorted(self._pools.items(), key=lambda kv: (kv[1].spec.priority, kv[0])):
             serving = sorted(m for m, st in self._states.items() if st.serving == name)
             members = [r for r in self.replicas.all() if r.pool == name]
+            if name == DEFAULT_POOL and not members and not serving:
+                continue  # only the fallback for replicas that name no pool: none do
             routable = sum(
                 1 for r in members if self.replicas.usable(r, now, self.replicas.snapshot())
             )
