@@ -404,3 +404,39 @@ def test_a_remote_pool_has_timeouts_of_its_own(artifacts: Path) -> None:
             m = scrape(gw.url)
             assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") == 1
             assert metric_sum(m, "seawall_upstream_attempts_total", replica="e0") == 0
+
+
+def test_retries_into_another_pool_spend_the_one_fleet_wide_budget(artifacts: Path) -> None:
+    """East answers every request with a 500 before its first token. A retry in west costs
+    the same budget as a retry within a pool: with a reserve of one token, the first
+    request is saved in west and the next ones get east's error, not a free pass west."""
+    east = start_sim(artifacts, "--enable-faults", name="east")
+    west = start_sim(artifacts, name="west")
+    with running(east, west), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
+        pools = {"east": {"priority": 0}, "west": {"priority": 1}}
+        replicas = [replica("e0", east.url, "east"), replica("w0", wan.url, "west")]
+        # A reserve of exactly one token (0.1/s over 10 s), no earning in this short test.
+        retry = {"budget_ratio": 0.0, "budget_min_per_s": 0.1, "budget_reserve_window_s": 10}
+        cfg = config(pools, replicas, retry=retry)
+        gw = start_gateway(artifacts, [], cfg)
+        with running(gw):
+            wait_until(lambda: routable(gw, cfg, ["e0", "w0"]), 20, what="routable")
+            httpx.post(
+                east.url + "/sim/fault",
+                json={"kind": "errors", "rate": 1.0, "when": "before_first_token"},
+                timeout=5,
+            ).raise_for_status()
+            statuses = []
+            with httpx.Client(timeout=30) as c:
+                for i in range(3):
+                    r = c.post(
+                        gw.url + "/v1/completions",
+                        json={"model": MODEL, "prompt": f"budget {i}", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {GOLD}"},
+                    )
+                    statuses.append(r.status_code)
+            m = scrape(gw.url)
+    assert statuses == [200, 500, 500], statuses
+    assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") == 1
+    assert metric_sum(m, "seawall_retries_total") == 1
+    assert metric_sum(m, "seawall_retry_budget_exhausted_total") == 2
