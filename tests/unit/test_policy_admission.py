@@ -120,3 +120,14 @@ def test_a_longer_queue_never_shortens_retry_after(queue_len: int, rate: float, 
     b = on_fleet_saturated(9, queue_len + more, 10, 0, rate)
     assert isinstance(a, Shed) and isinstance(b, Shed)
     assert b.retry_after_s >= a.retry_after_s
+
+
+def test_a_slot_is_free_only_while_the_engine_runs_fewer_than_it_has() -> None:
+    from seawall.policy.admission import slot_free
+
+    assert slot_free(EngineLoad(running=3, slots=4), 0)
+    assert not slot_free(EngineLoad(running=4, slots=4), 0)
+    # The gateway's own sequences there count even before a scrape shows them.
+    assert not slot_free(EngineLoad(running=1, slots=4), 4)
+    # An engine that does not say how many it has gets the benefit of the doubt.
+    assert slot_free(EngineLoad(running=400), 0) and slot_free(None, 10)

@@ -582,6 +582,8 @@ class FleetMonitor:
                             wait_s *= _ABSENT_BACKOFF
                     elif not self._on_scrape(rep, text, clock.monotonic()):
                         wait_s *= _ABSENT_BACKOFF
+                    elif rep.slots is None and rep.adapter is not None:
+                        await self._learn_slots(rep)
             await asyncio.sleep(wait_s)
 
     def _on_scrape(self, rep: TrackedReplica, text: str, now: float) -> bool:
@@ -592,6 +594,8 @@ class FleetMonitor:
         rep.adapter = adapter
         rep.scrape_note = ""
         load = adapter.parse(text, scraped_at=now)
+        if rep.slots:
+            load = dataclasses.replace(load, slots=rep.slots)
         rep.load = load
         rep.watchdog.observe_engine(load.running, load.generation_tokens_total, now)
         before = after = rep.storm.state
@@ -672,6 +676,25 @@ class FleetMonitor:
             )
         finally:
             rep.verifying = False
+
+    async def _learn_slots(self, rep: TrackedReplica) -> None:
+        """llama.cpp's slot count (`--parallel`), which its /metrics does not carry: GET
+        /props once (`total_slots`). Other engines: nothing to learn (0: not asked again)."""
+        if rep.adapter is None or rep.adapter.kind is not EngineKind.LLAMACPP:
+            rep.slots = 0
+            return
+        try:
+            async with self.session.get(
+                rep.spec.url.rstrip("/") + "/props",
+                headers=self._auth(rep),
+                timeout=aiohttp.ClientTimeout(total=self.config.scrape_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return  # asked again after the next scrape
+                slots = (await resp.json(content_type=None)).get("total_slots")
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError):
+            return
+        rep.slots = slots if isinstance(slots, int) and slots > 0 else 0
 
     def _auth(self, rep: TrackedReplica) -> dict[str, str] | None:
         """The replica's credential as a header, as the request path sends it."""
@@ -1058,7 +1081,10 @@ def _static_load(load: EngineLoad | None, now: float) -> EngineLoad | None:
     if load is None:
         return None
     return EngineLoad(
-        kv_capacity_tokens=load.kv_capacity_tokens, kv_block_size=load.kv_block_size, scraped_at=now
+        kv_capacity_tokens=load.kv_capacity_tokens,
+        kv_block_size=load.kv_block_size,
+        slots=load.slots,
+        scraped_at=now,
     )
 
 

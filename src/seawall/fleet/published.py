@@ -130,6 +130,7 @@ _LOAD_FIELDS = (
     "prompt_tokens_total",
     "kv_capacity_tokens",
     "kv_block_size",
+    "slots",
 )
 
 

@@ -85,6 +85,7 @@ class TrackedReplica:
     adapter: Adapter | None = None
     scrape_note: str = ""
     load: EngineLoad | None = None
+    slots: int | None = None  # the engine's batch slots, once learnt (0: it has none to say)
     breakdown: ScoreBreakdown | None = None
     restarts: int = 0  # real restarts: the actuator restarted something
     failures: int = 0  # failures that restarted nothing (actuator `none`)

@@ -34,6 +34,7 @@ from seawall.gateway.pools import PoolRouter
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
 from seawall.metrics import Metrics
+from seawall.policy.admission import slot_free
 from seawall.policy.deadline import first_token_wait
 from seawall.policy.hedge import HedgePolicy
 from seawall.policy.retry_budget import RetryBudget
@@ -138,7 +139,15 @@ class Dispatcher:
         if bulkhead is not None and ctx.req is not None:
             constrained = bool(ctx.req.constraints)
             free, saturated = bulkhead.split(ctx.tier, constrained, free, saturated)
-        return self.replicas.choose(free if free_only else free or saturated)
+        if free_only:
+            # Only a replica that would start it at once (a continuation that waited for
+            # a slot would stall the client's stream: issue 13, bug 4).
+            snap = self.replicas.snapshot()
+            free = [
+                r for r in free if slot_free(self.replicas.view(r, snap).load, r.counts.sequences)
+            ]
+            return self.replicas.choose(free)
+        return self.replicas.choose(free or saturated)
 
     async def attempt(
         self,

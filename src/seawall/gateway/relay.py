@@ -384,18 +384,21 @@ class Relay:
         if body is None:
             self.metrics.migrations.labels("refused").inc()
             return None
-        if not self.budget.try_withdraw(clock.monotonic()):
-            self.metrics.retry_budget_exhausted.inc()
-            self.metrics.migrations.labels("refused").inc()
-            return None
         tried = {failed.id}
+        paid = False
         while True:
-            # Only where there is room: a saturated replica would queue the continuation
-            # and stall the client's stream (issue 13 bug 4).
+            # Only where there is room: a saturated replica, or one with every slot busy,
+            # would queue the continuation and stall the client's stream (issue 13 bug 4).
             replica = d.choose(ctx, clock.monotonic(), tried, free_only=True)
             if replica is None or clock.monotonic() >= ctx.deadline:
                 self.metrics.migrations.labels("failed").inc()
                 return None
+            if not paid:  # one withdrawal per migration, and none when nowhere has room
+                if not self.budget.try_withdraw(clock.monotonic()):
+                    self.metrics.retry_budget_exhausted.inc()
+                    self.metrics.migrations.labels("refused").inc()
+                    return None
+                paid = True
             tried.add(replica.id)
             try:
                 opened = await d.attempt(ctx, replica, body, ttft_s=self.migration_ttft_s)

@@ -100,6 +100,15 @@ def replica_saturated(
     return None
 
 
+def slot_free(load: EngineLoad | None, in_flight: int) -> bool:
+    """Whether a request sent now would start at once rather than wait for a slot, as far
+    as the engine says (`slots`; engines that do not say are given the benefit). `in_flight`:
+    sequences this gateway has open there, which the last scrape may not show yet."""
+    if load is None or load.slots is None:
+        return True
+    return max(load.running or 0.0, float(in_flight)) < load.slots
+
+
 @dataclass(frozen=True, slots=True)
 class Queue:
     """Wait in the gateway queue; `expected_wait_s` is the drain estimate (may be inf)."""

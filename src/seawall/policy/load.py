@@ -26,4 +26,7 @@ class EngineLoad:
     prompt_tokens_total: float | None = None
     kv_capacity_tokens: float | None = None  # usable KV cache, in tokens (vLLM cache config)
     kv_block_size: int | None = None  # tokens per KV block (vLLM cache config)
+    # Sequences the engine runs at once, when it says (llama.cpp's slots, from /props):
+    # with every one busy a new request waits in the engine for a whole generation.
+    slots: int | None = None
     scraped_at: float = 0.0  # monotonic seconds
