@@ -67,3 +67,24 @@ def test_the_sdk_retries_a_rate_limit_after_the_wait_the_gateway_names(artifacts
         out = client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
         assert out.choices[0].text is not None
         assert metric_sum(scrape(gw.url), "seawall_shed_total", reason="requests_per_min") >= 2
+
+
+def test_the_sdk_does_not_retry_a_timeout_or_its_own_bad_request(artifacts: Path) -> None:
+    """A first-token timeout after the gateway's own retries (504), and a request the
+    client got wrong (400, 404): `x-should-retry: false`, so the SDK sends each once."""
+    sim = start_sim(artifacts)
+    set_fault(sim, {"kind": "hang", "when": "before_first_token"})
+    gw = start_gateway(artifacts, [sim], {"timeouts": {"ttft_s": 1}}, wait_ready=False)
+    with running(gw, sim):
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=2)
+        with pytest.raises(openai.APIStatusError) as e:  # held until its first token
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
+        assert e.value.status_code == 504
+        assert e.value.response.headers["x-should-retry"] == "false"
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=MODEL, prompt=[], max_tokens=1)
+        assert bad.value.response.headers["x-should-retry"] == "false"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+        assert missing.value.response.headers["x-should-retry"] == "false"
+        assert metric_sum(scrape(gw.url), "seawall_requests_total") == 3  # each sent once
