@@ -54,7 +54,8 @@ class ReplicaConfig(_Strict):
     # replica belongs to; pools are defined under `pools:` ("default" always exists).
     pool: str = "default"
     engine: EngineKind = "auto"
-    api_key: str | None = None  # sent upstream as a bearer token; never logged
+    # Sent upstream as a bearer token; never logged, nor shown in the config's repr.
+    api_key: str | None = Field(default=None, repr=False)
     # The public name clients ask for (LiteLLM's `model_name`), when it is not the served
     # `model`: routing, limits, metrics and logs use it, and the request sent to this
     # replica carries `model` (see gateway/aliases.py). None: clients use `model`.
@@ -85,7 +86,7 @@ _PROVIDER_PREFIXES: dict[str, EngineKind] = {"hosted_vllm/": "vllm", "openai/": 
 class LiteLLMParams(_Strict):
     model: Annotated[str, Field(min_length=1)]
     api_base: str
-    api_key: str | None = None
+    api_key: str | None = Field(default=None, repr=False)
 
 
 class ModelInfo(_Strict):
@@ -320,7 +321,7 @@ class TenantConfig(_Strict):
 
 class RateLimitConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)  # may hold a password
     fail_mode: Literal["open", "closed"] = "open"  # when Redis is unreachable
     key_prefix: str = "seawall:limits:"
 
@@ -414,7 +415,8 @@ class ClusterConfig(_Strict):
     # (a single instance), `redis` (instances anywhere; `redis_url`), or `local` (several
     # processes on one host, through the store server at `local_socket`).
     store: Literal["none", "redis", "local"] = "none"
-    redis_url: str = "redis://127.0.0.1:6379/0"  # may hold ${REDIS_PASSWORD} (envref)
+    # May hold ${REDIS_PASSWORD} (envref): kept out of the config's repr.
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
     key_prefix: str = "seawall:cluster:"  # every key the cluster writes is under it
     local_socket: str = "seawall-cluster.sock"  # relative to the working directory
     # Who leads: the store's own lease (`store`), or a coordination.k8s.io Lease

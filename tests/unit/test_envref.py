@@ -137,3 +137,39 @@ def test_a_resolved_value_reads_as_its_source_in_repr() -> None:
     assert value == "1-2"
     assert repr(value) == "<from ${A, B}>"
     assert f"{value}" == "1-2"
+
+
+def test_a_parsed_config_never_shows_a_secret_in_its_repr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once validated, a resolved key is a plain str: the config's repr (what a debug
+    log or a traceback prints) leaves every secret field out."""
+    monkeypatch.setenv("ENGINE_KEY", SECRET)
+    monkeypatch.setenv("REDIS_PASSWORD", SECRET)
+    cfg = parse_config(
+        {
+            **_replica("${ENGINE_KEY}"),
+            "model_list": [
+                {
+                    "model_name": "m",
+                    "litellm_params": {
+                        "model": "hosted_vllm/m",
+                        "api_base": "http://127.0.0.1:8002",
+                        "api_key": "os.environ/ENGINE_KEY",
+                    },
+                }
+            ],
+            "ratelimit": {"redis_url": "redis://:${REDIS_PASSWORD}@127.0.0.1:6379/0"},
+            "cluster": {"redis_url": "redis://:${REDIS_PASSWORD}@127.0.0.1:6379/0"},
+        }
+    )
+    assert cfg.replicas[0].api_key == SECRET  # resolved, and used
+    assert SECRET not in repr(cfg) and SECRET not in str(cfg)
+
+
+def test_seawall_ups_own_traffic_key_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from seawall.up.config import parse_up_config
+
+    monkeypatch.setenv("DEMO_KEY", SECRET)
+    cfg = parse_up_config({"traffic": {"api_key": "os.environ/DEMO_KEY"}})
+    assert cfg.traffic.api_key == SECRET and SECRET not in repr(cfg)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from seawall import envref
 from seawall.actuate.local import DEFAULT_COMMAND, render_command
 from seawall.config import format_validation_error
 
@@ -72,7 +73,7 @@ class TrafficConfig(_Strict):
     prompt_tokens: Annotated[int, Field(ge=1)] = 64
     max_tokens: Annotated[int, Field(ge=1)] = 32
     chat: bool = False
-    api_key: str | None = None
+    api_key: str | None = Field(default=None, repr=False)  # os.environ/NAME and ${NAME} work
     max_requests: Annotated[int, Field(ge=1)] = 100_000  # the load stops by itself here...
     duration_s: PositiveSeconds = 3600.0  # ...or here, whichever comes first
 
@@ -125,6 +126,7 @@ def parse_up_config(data: object, source: str = "config") -> UpConfig:
         data = {}
     if not isinstance(data, dict):
         raise UpConfigError(f"{source}: the top level must be a mapping with {_allowed(UpConfig)}")
+    data = envref.resolve_config(data, source, UpConfigError)  # os.environ/NAME and ${NAME}
     try:
         return UpConfig.model_validate(data)
     except ValidationError as e:
