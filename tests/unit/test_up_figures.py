@@ -88,8 +88,10 @@ def test_a_stream_cut_mid_way_is_dropped_not_ok() -> None:
     assert figures.migrations_ok == 3 and figures.inflight == {"r0": 2}
 
 
-def gateway(ok: int = 0, failed: int = 0, dropped: int = 0, migrated: int = 0) -> GatewayFigures:
-    return GatewayFigures(ok, failed, dropped, 0, None, 0, migrated)
+def gateway(
+    ok: int = 0, failed: int = 0, dropped: int = 0, migrated: int = 0, retries: int = 0
+) -> GatewayFigures:
+    return GatewayFigures(ok, failed, dropped, 0, None, retries, migrated)
 
 
 def test_a_crash_whose_streams_all_migrated() -> None:
@@ -104,8 +106,20 @@ def test_a_crash_whose_streams_all_migrated() -> None:
 
 def test_a_crash_without_migration_drops_the_streams_and_retries_the_rest() -> None:
     crash = Crash("r1", in_flight=4, streaming=3, before=gateway(ok=10))
-    out = crash_outcome(crash, gateway(ok=11, dropped=3))
+    out = crash_outcome(crash, gateway(ok=11, dropped=3, retries=1))
     assert (out.migrated, out.retried, out.failed) == (0, 1, 3)
+
+
+def test_a_crash_report_credits_only_what_a_counter_saw() -> None:
+    """Retries are the gateway's retry counter, not what is left over: a request the
+    counts do not explain is reported as such."""
+    crash = Crash("r1", in_flight=4, streaming=2, before=gateway(ok=10, retries=7))
+    out = crash_outcome(crash, gateway(ok=12, migrated=2, retries=8))
+    assert (out.migrated, out.retried, out.failed, out.unaccounted) == (2, 1, 0, 1)
+    assert out.text() == (
+        "crash of r1 with 4 request(s) in flight (2 streaming): 2 migrated, 1 retried, "
+        "0 failed, 1 not in the counts (a plain proxy would have cut 4)"
+    )
 
 
 def test_a_crash_report_never_counts_more_than_was_in_flight() -> None:

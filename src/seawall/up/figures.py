@@ -193,12 +193,14 @@ class CrashOutcome:
     migrated: int  # streams that went on from another replica
     retried: int  # requests before their first token, answered by another replica
     failed: int  # dropped streams and error answers since the crash
+    unaccounted: int = 0  # in flight, but in none of the gateway's counts since
 
     def text(self) -> str:
+        rest = f", {self.unaccounted} not in the counts" if self.unaccounted else ""
         return (
             f"crash of {self.replica} with {self.in_flight} request(s) in flight "
             f"({self.streaming} streaming): {self.migrated} migrated, {self.retried} retried, "
-            f"{self.failed} failed (a plain proxy would have cut {self.in_flight})"
+            f"{self.failed} failed{rest} (a plain proxy would have cut {self.in_flight})"
         )
 
 
@@ -206,21 +208,24 @@ def crash_outcome(crash: Crash, after: GatewayFigures) -> CrashOutcome:
     """What became of the requests in flight on a crashed replica, from the gateway's
     counts before and after (read once the replica had nothing left in flight).
 
-    Each one ends saved or failed: every failure the gateway counted since the crash is
-    charged to it (so unrelated failures can only make Seawall look worse), the saved
-    streams are the migrations, and the rest were saved by a retry before their first
-    token."""
+    Each is read from its own counter: every failure the gateway counted since the
+    crash is charged to it (so unrelated failures can only make Seawall look worse), then
+    the migrations and the retries counted since, each at most what is left. What no
+    counter explains is shown as such, not credited as saved."""
     b = crash.before
-    failed = (after.requests_dropped - b.requests_dropped) + (
-        after.requests_failed - b.requests_failed
+    failed = min(
+        crash.in_flight,
+        (after.requests_dropped - b.requests_dropped) + (after.requests_failed - b.requests_failed),
     )
-    saved = max(0, crash.in_flight - failed)
-    migrated = min(after.migrations_ok - b.migrations_ok, saved)
+    left = crash.in_flight - failed
+    migrated = min(max(0, after.migrations_ok - b.migrations_ok), left)
+    retried = min(max(0, after.retries - b.retries), left - migrated)
     return CrashOutcome(
         replica=crash.replica,
         in_flight=crash.in_flight,
         streaming=crash.streaming,
         migrated=migrated,
-        retried=saved - migrated,
-        failed=min(failed, crash.in_flight),
+        retried=retried,
+        failed=failed,
+        unaccounted=left - migrated - retried,
     )
