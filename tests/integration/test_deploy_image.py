@@ -43,7 +43,9 @@ def _pins() -> dict[str, str]:
 def test_the_pinned_dependencies_satisfy_pyproject() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     pins = _pins()
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["kubernetes"]]
+    extras = project["optional-dependencies"]
+    # kubernetes: discovery and the actuator; otel: traces, when telemetry.enabled is set
+    wanted = [*project["dependencies"], *extras["kubernetes"], *extras["otel"]]
     env = {"sys_platform": sys.platform, "python_version": "3.11"}
     for spec in map(Requirement, wanted):
         if spec.marker is not None and not spec.marker.evaluate(env):
