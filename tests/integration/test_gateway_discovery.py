@@ -26,6 +26,7 @@ from tests.support.procs import Proc, free_port, seawall_argv, spawn, wait_http
 pytestmark = pytest.mark.integration
 
 NAME = "sims.demo.svc"
+PUBLIC = "tide-7b"  # discovery's public name for the pods' `sim-model`
 
 
 def _namespaced(hosts: Path) -> list[str]:
@@ -73,6 +74,8 @@ def test_replicas_follow_the_services_dns_records(artifacts: Path) -> None:
                 "namespace": "demo",
                 "port": port,
                 "interval_s": 0.25,
+                # Clients ask for the public name; each pod is asked for its served one.
+                "model_name": PUBLIC,
             },
         },
     }
@@ -87,16 +90,17 @@ def test_replicas_follow_the_services_dns_records(artifacts: Path) -> None:
             for _ in range(n):
                 r = client.post(
                     f"{gw.url}/v1/completions",
-                    json={"model": MODEL, "prompt": "A seawall is", "max_tokens": 4},
+                    json={"model": PUBLIC, "prompt": "A seawall is", "max_tokens": 4},
                 )
                 assert r.status_code == 200, r.text
+                assert r.json()["model"] == PUBLIC
 
         # One record: every request goes to the one pod behind the name.
         send(10)
         # (the fleet monitor's one-token deep probes count there too)
         assert _served_by(a_url) >= 10 and _served_by(b_url) == 0
         models = client.get(f"{gw.url}/v1/models").json()
-        assert [m["id"] for m in models["data"]] == [MODEL]  # asked of the replica itself
+        assert [m["id"] for m in models["data"]] == [PUBLIC]  # the replica's card, renamed
 
         # A second pod becomes ready: its record appears, and it gets a share of the work.
         hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n127.0.0.2 {NAME}\n")
@@ -126,7 +130,7 @@ def _quiet(client: httpx.Client, gw_url: str, a_url: str) -> bool:
     for _ in range(6):
         r = client.post(
             f"{gw_url}/v1/completions",
-            json={"model": MODEL, "prompt": "A seawall is", "max_tokens": 4},
+            json={"model": PUBLIC, "prompt": "A seawall is", "max_tokens": 4},
         )
         assert r.status_code == 200, r.text
     return _served_by(a_url) == before

@@ -33,6 +33,9 @@ class DiscoveryConfig(_Strict):
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     interval_s: PositiveSeconds = 5.0  # pods come and go on the scale of seconds
     model: str | None = None  # served model name; None: asked from GET /v1/models
+    # The public name clients ask for and /v1/models lists, when it is not the served one
+    # (gateway/aliases.py): the shipped manifests' `qwen3-8b`.
+    model_name: str | None = None
     engine: EngineChoice = "auto"
 
 

@@ -480,7 +480,11 @@ class Gateway:
         for spec in specs:
             if spec.replica_id not in self._specs:
                 rc = self._applied.get(spec.replica_id)  # a configured one keeps its key
-                self._add(spec, rc.api_key if rc else None, rc.model_name if rc else None)
+                if rc is not None:
+                    self._add(spec, rc.api_key, rc.model_name)
+                else:  # discovered: the public name, if any, is discovery's
+                    found = self.monitor.config.discovery
+                    self._add(spec, None, found.model_name if found is not None else None)
 
     async def drain_replica(
         self, replica_id: str, timeout_s: float, stop_grace_s: float | None = None
