@@ -21,8 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from seawall.auth import hash_key
 from tests.support.fleet import metric_sum, wait_until
 from tests.support.llamacpp import (
     FLEET_FAST,
@@ -35,8 +37,11 @@ from tests.support.llamacpp import (
     tokens_lasting,
     wait_all,
 )
+from tests.support.procs import free_port
 
 pytestmark = pytest.mark.integration
+
+ADMIN = "sk-sw-admin-llamacpp-fleet-00000000000000000000000"
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +195,14 @@ def test_migration_onto_a_full_llamacpp_replica_fails_fast(fleet: Fleet) -> None
     continuation, and the client's stream stalled for the whole TTFT timeout before an
     `upstream_reset`. Migrate only where there is room, or fail at once."""
     ttft_s = 12.0
+    admin_port = free_port()
     fleet.start(
         2,
-        {"tiers": {"default": {"migrate": True}}, "timeouts": {"ttft_s": ttft_s}},
+        {
+            "tiers": {"default": {"migrate": True}},
+            "timeouts": {"ttft_s": ttft_s},
+            "admin": {"enabled": True, "port": admin_port, "token_hash": hash_key(ADMIN)},
+        },
         ctx_per_slot=8192,
     )
     # The full replica's requests outlast the TTFT timeout: no slot frees in between.
@@ -204,6 +214,19 @@ def test_migration_onto_a_full_llamacpp_replica_fails_fast(fleet: Fleet) -> None
     victim = next(s for s in fleet.servers if s.busy_slots() == 1)
     full = next(s for s in fleet.servers if s is not victim)
     fill_slots(full, busy_tokens)
+    full_id = f"l{fleet.servers.index(full)}"
+
+    def gateway_sees_it_full() -> bool:
+        state = httpx.get(
+            f"http://127.0.0.1:{admin_port}/admin/state",
+            headers={"Authorization": f"Bearer {ADMIN}"},
+            timeout=5,
+        ).json()
+        load = next(r for r in state["replicas"] if r["id"] == full_id).get("load") or {}
+        return bool(load.get("slots")) and load.get("running") == load["slots"]
+
+    # The gateway learnt the slot count from /props and has scraped the filled slots.
+    wait_until(gateway_sees_it_full, 10, what="the gateway to see every slot busy")
 
     killed_at = time.monotonic()
     victim.signal(signal.SIGKILL)
@@ -213,7 +236,6 @@ def test_migration_onto_a_full_llamacpp_replica_fails_fast(fleet: Fleet) -> None
     # continuation sent to wait its turn there (the gateway learnt the slots from /props):
     # the stream ends before the continuation's own first-token bound (4 s) could.
     assert ended_after_s < 3.0, f"the stream stalled {ended_after_s:.1f}s after the crash"
-    full_id = f"l{fleet.servers.index(full)}"
     m = fleet.gw_metrics()
     assert metric_sum(m, "seawall_upstream_attempts_total", replica=full_id) == 0
     assert metric_sum(m, "seawall_migrations_total", outcome="failed") == 1

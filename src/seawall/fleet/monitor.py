@@ -680,7 +680,7 @@ class FleetMonitor:
     async def _learn_slots(self, rep: TrackedReplica) -> None:
         """llama.cpp's slot count (`--parallel`), which its /metrics does not carry: GET
         /props once (`total_slots`). Other engines: nothing to learn (0: not asked again)."""
-        if rep.adapter is None or rep.adapter.kind is not EngineKind.LLAMACPP:
+        if rep.adapter is None or rep.adapter.kind != EngineKind.LLAMACPP:
             rep.slots = 0
             return
         try:

@@ -116,4 +116,5 @@ def _load_dict(load: EngineLoad | None) -> dict[str, float | None] | None:
         "generation_tokens_total": load.generation_tokens_total,
         "prompt_tokens_total": load.prompt_tokens_total,
         "kv_capacity_tokens": load.kv_capacity_tokens,
+        "slots": load.slots,
     }
