@@ -18,6 +18,7 @@ import email.parser
 import email.policy
 import json
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -456,6 +457,46 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Llam
         gw.stop()
         for s in servers:
             s.stop()
+
+
+def test_a_messages_stream_gets_the_first_token_hold_and_the_idle_timeout(
+    artifacts: Path,
+) -> None:
+    """/v1/messages streams as chat does: an engine that never starts is a clean 504
+    before any byte of the stream (the client can retry), and one that stops mid-stream
+    ends it with an Anthropic `error` event after the inter-token timeout."""
+    require_llama_server()
+    model = make_model(artifacts / "tiny.gguf")
+    server = start_llama_server(artifacts, model, name="msgs", slots=1, ctx_per_slot=2048)
+    gw = start_gateway(artifacts, [], {
+        "fleet": {**FLEET_FAST, "liveness_timeout_s": 30, "liveness_interval_s": 30},
+        "timeouts": {"ttft_s": 2, "itl_s": 2},
+        "replicas": [{"url": server.url, "id": "l0", "model": LLAMA_MODEL, "engine": "llamacpp"}],
+    })  # fmt: skip
+    body = {"model": LLAMA_MODEL, "max_tokens": 400, "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
+    try:
+        server.signal(signal.SIGSTOP)  # takes the connection, never answers
+        try:
+            r = httpx.post(gw.url + "/v1/messages", json=body, timeout=30)
+        finally:
+            server.signal(signal.SIGCONT)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "ttft_timeout"
+        with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=30) as s:
+            assert s.status_code == 200
+            events = s.iter_raw()
+            seen = next(events)  # the stream has begun
+            server.signal(signal.SIGSTOP)
+            for chunk in events:
+                seen += chunk
+        server.signal(signal.SIGCONT)
+        last = seen.rstrip().split(b"\n\n")[-1]
+        assert last.startswith(b"event: error"), seen[-400:]
+        assert b"inter-token timeout" in last
+    finally:
+        gw.stop()
+        server.signal(signal.SIGCONT)
+        server.stop()
 
 
 def test_anthropic_messages_stream_through_the_gateway(llama: tuple[Proc, LlamaServer]) -> None:
