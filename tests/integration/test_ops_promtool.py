@@ -262,3 +262,82 @@ def test_example_prometheus_config_passes_promtool_and_loads_the_rules(tmp_path:
     result = _promtool("check", "config", "prometheus.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
+
+
+def test_the_shipped_pod_discovery_keeps_exactly_the_pods_it_should(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    """The shipped scrape jobs' relabel rules, run by a real Prometheus over pods as the
+    Kubernetes API would describe them (its `__meta_kubernetes_*` labels, given here by
+    file discovery: Debian's Prometheus has no Kubernetes discovery): the gateway's and
+    the actuator's `http` ports go to `seawall`, vLLM's to `engines`, each labelled with
+    its pod and namespace; the gateway's admin port and other pods (Redis) are dropped."""
+    import json
+    import urllib.request
+
+    from tests.support.fleet import wait_until
+    from tests.support.procs import free_port, spawn, wait_http
+
+    prometheus = require_binary("prometheus")
+
+    def pod(app: str, name: str, port_name: str, port: int) -> dict[str, Any]:
+        return {
+            "targets": [f"127.0.0.1:{port}"],
+            "labels": {
+                "__meta_kubernetes_namespace": "seawall",
+                "__meta_kubernetes_pod_name": name,
+                "__meta_kubernetes_pod_label_app_kubernetes_io_name": app,
+                "__meta_kubernetes_pod_container_port_name": port_name,
+            },
+        }
+
+    pods = [
+        pod("seawall-gateway", "seawall-gateway-7d9f-a", "http", 18080),
+        pod("seawall-gateway", "seawall-gateway-7d9f-a", "admin", 18081),
+        pod("seawall-actuator", "seawall-actuator-5c6b-x", "http", 18090),
+        pod("vllm", "vllm-0", "http", 18000),
+        pod("vllm", "vllm-1", "http", 18001),
+        pod("redis", "redis-0", "redis", 16379),
+    ]
+    (tmp_path / "pods.json").write_text(json.dumps(pods))
+    (tmp_path / "seawall-rules.yml").write_text(
+        (REPO / "deploy" / "prometheus" / "seawall-rules.yml").read_text()
+    )
+    doc = prometheus_config.with_file_sd(prometheus_config.shipped(), str(tmp_path / "pods.json"))
+    doc["rule_files"] = [str(tmp_path / "seawall-rules.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
+    port = free_port()
+    proc = spawn(
+        [
+            prometheus,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        artifacts / "prometheus.log",
+        port=port,
+    )
+    try:
+        wait_http(proc.url + "/-/ready", timeout=60, proc=proc)
+
+        def targets() -> dict[str, Any]:
+            with urllib.request.urlopen(proc.url + "/api/v1/targets", timeout=5) as r:
+                data: dict[str, Any] = json.loads(r.read())["data"]
+                return data
+
+        wait_until(lambda: len(targets()["activeTargets"]) >= 4, 30, what="targets")
+        found = targets()
+        kept = sorted(
+            (t["labels"]["job"], t["labels"]["pod"], t["labels"]["namespace"], t["scrapeUrl"])
+            for t in found["activeTargets"]
+        )
+    finally:
+        proc.stop()
+    assert kept == [
+        ("engines", "vllm-0", "seawall", "http://127.0.0.1:18000/metrics"),
+        ("engines", "vllm-1", "seawall", "http://127.0.0.1:18001/metrics"),
+        ("seawall", "seawall-actuator-5c6b-x", "seawall", "http://127.0.0.1:18090/metrics"),
+        ("seawall", "seawall-gateway-7d9f-a", "seawall", "http://127.0.0.1:18080/metrics"),
+    ]
+    # Each of the two jobs saw all six pods and dropped the rest.
+    assert len(found["droppedTargets"]) == 2 * len(pods) - len(kept)
