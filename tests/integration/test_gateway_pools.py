@@ -25,6 +25,7 @@ from tests.support.fleet import (
     metric_sum,
     running,
     scrape,
+    set_fault,
     start_gateway,
     start_sim,
     wait_until,
@@ -96,6 +97,22 @@ def serving(gw: Proc, cfg: dict[str, Any]) -> str | None:
 def routable(gw: Proc, cfg: dict[str, Any], rids: list[str]) -> bool:
     by_id = {r["id"]: r for r in admin_state(gw, cfg)["replicas"]}
     return all(by_id.get(rid, {}).get("routable") for rid in rids)
+
+
+FAIL_BEFORE_FIRST_TOKEN = {"kind": "errors", "rate": 1.0, "when": "before_first_token"}
+
+
+def gold_completions(gw: Proc, prompts: list[str]) -> list[int]:
+    """One short completion per prompt as the gold tenant, one after another: statuses."""
+    with httpx.Client(timeout=30) as c:
+        return [
+            c.post(
+                gw.url + "/v1/completions",
+                json={"model": MODEL, "prompt": p, "max_tokens": 2},
+                headers={"Authorization": f"Bearer {GOLD}"},
+            ).status_code
+            for p in prompts
+        ]
 
 
 @dataclass
@@ -348,20 +365,8 @@ def test_a_failing_remote_pool_is_cut_off_by_its_breaker_and_probed_at_its_own_r
             wait_until(lambda: routable(gw, cfg, ["w0"]), 20, what="w0 routable")
             probes_at_start = wan.sent.count(b"POST /v1/completions")
             started = time.monotonic()
-            httpx.post(
-                west.url + "/sim/fault",
-                json={"kind": "errors", "rate": 1.0, "when": "before_first_token"},
-                timeout=5,
-            ).raise_for_status()
-            statuses = []
-            with httpx.Client(timeout=30) as c:
-                for _ in range(12):
-                    r = c.post(
-                        gw.url + "/v1/completions",
-                        json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                        headers={"Authorization": f"Bearer {GOLD}"},
-                    )
-                    statuses.append(r.status_code)
+            set_fault(west, FAIL_BEFORE_FIRST_TOKEN)
+            statuses = gold_completions(gw, ["x"] * 12)
             attempts = metric_sum(scrape(gw.url), "seawall_upstream_attempts_total", replica="w0")
             assert attempts == 3, statuses  # the breaker opened after three failures
             assert statuses[:3] == [500] * 3 and set(statuses[3:]) == {503}
@@ -410,7 +415,7 @@ def test_retries_into_another_pool_spend_the_one_fleet_wide_budget(artifacts: Pa
     """East answers every request with a 500 before its first token. A retry in west costs
     the same budget as a retry within a pool: with a reserve of one token, the first
     request is saved in west and the next ones get east's error, not a free pass west."""
-    east = start_sim(artifacts, "--enable-faults", name="east")
+    east = start_sim(artifacts, name="east")
     west = start_sim(artifacts, name="west")
     with running(east, west), ChoppingRelay(west.port or 0, piece=None, delay_s=WAN_S) as wan:
         pools = {"east": {"priority": 0}, "west": {"priority": 1}}
@@ -421,20 +426,8 @@ def test_retries_into_another_pool_spend_the_one_fleet_wide_budget(artifacts: Pa
         gw = start_gateway(artifacts, [], cfg)
         with running(gw):
             wait_until(lambda: routable(gw, cfg, ["e0", "w0"]), 20, what="routable")
-            httpx.post(
-                east.url + "/sim/fault",
-                json={"kind": "errors", "rate": 1.0, "when": "before_first_token"},
-                timeout=5,
-            ).raise_for_status()
-            statuses = []
-            with httpx.Client(timeout=30) as c:
-                for i in range(3):
-                    r = c.post(
-                        gw.url + "/v1/completions",
-                        json={"model": MODEL, "prompt": f"budget {i}", "max_tokens": 2},
-                        headers={"Authorization": f"Bearer {GOLD}"},
-                    )
-                    statuses.append(r.status_code)
+            set_fault(east, FAIL_BEFORE_FIRST_TOKEN)
+            statuses = gold_completions(gw, [f"budget {i}" for i in range(3)])
             m = scrape(gw.url)
     assert statuses == [200, 500, 500], statuses
     assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") == 1

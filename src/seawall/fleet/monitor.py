@@ -689,6 +689,9 @@ class FleetMonitor:
                 headers=self._auth(rep),
                 timeout=aiohttp.ClientTimeout(total=self.config.scrape_timeout_s),
             ) as resp:
+                if resp.status == 404:  # a build without /props: nothing to learn
+                    rep.slots = 0
+                    return
                 if resp.status != 200:
                     return  # asked again after the next scrape
                 slots = (await resp.json(content_type=None)).get("total_slots")
