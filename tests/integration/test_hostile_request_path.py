@@ -170,8 +170,8 @@ def test_the_gold_tier_is_served_while_an_unlimited_lower_tier_is_shed(artifacts
         records = access_records(gw.log())
     assert statuses == [200] * 4
     gold = [r for r in records if r["tenant"] == "gold"]
-    # A lower-tier request is never queued (only gold's tier may queue): it is admitted,
-    # or shed, as it arrives.
+    # A lower-tier request is admitted or shed as it arrives, except one refused twice
+    # already, which waits its turn (queue_after_refusals) behind every gold request.
     free_admitted = [r for r in records if r["tenant"] == "free" and r["ttft_s"]]
     shed_free = [r for r in records if r["tenant"] == "free" and r["status"] == 429]
     assert len(gold) == 4 and len(shed_free) > 100
@@ -179,5 +179,8 @@ def test_the_gold_tier_is_served_while_an_unlimited_lower_tier_is_shed(artifacts
     for g in gold:
         # Margins for the log's millisecond stamps.
         waiting = (g["arrived"] + 0.02, g["arrived"] + g["queued_s"] - 0.02)
-        overtaken = [r for r in free_admitted if waiting[0] < r["arrived"] < waiting[1]]
+        # When a free request left the door (arrival, plus any wait for its turn).
+        overtaken = [
+            r for r in free_admitted if waiting[0] < r["arrived"] + r["queued_s"] < waiting[1]
+        ]
         assert overtaken == [], f"admitted while gold {g} waited: {overtaken}"
