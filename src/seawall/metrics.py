@@ -368,15 +368,14 @@ class Metrics:
         per-replica series of replicas seeded before and gone now.
 
         `replicas`: (replica id, node) pairs; `tenants`: tenant -> tier (None or empty:
-        the anonymous tenant of an open gateway); `pools`: the configured pools (with
-        two or more, every model's moves between any two of them: a pool loss is rare, and
-        `increase()` over a series born at 1 would miss it). Idempotent and cheap: the gateway calls
-        it at start and on every scrape, so replicas added or removed since, and models
-        discovered since, are covered. Existing values are never changed.
+        the anonymous tenant of an open gateway); `pools`: the pools replicas are in
+        (every model's moves between any two of them: a pool loss is rare, and
+        `increase()` over a series born at 1 would miss it). Idempotent and cheap: the
+        gateway calls it at start and on every scrape, so replicas added or removed since,
+        and models discovered since, are covered. Existing values are never changed.
         """
         replica_nodes = dict(replicas)
         pool_names = list(pools)
-        models = list(models)
         for replica_id, node in replica_nodes.items():
             self.upstream_connections.labels(replica_id)
             self.deep_probe_failures.labels(replica_id)

@@ -683,21 +683,26 @@ class FleetMonitor:
         if rep.adapter is None or rep.adapter.kind != EngineKind.LLAMACPP:
             rep.slots = 0
             return
+        status, props = await self._get_json(rep, "/props", self.config.scrape_timeout_s)
+        if status == 404:  # a build without /props: nothing to learn
+            rep.slots = 0
+        elif status == 200:  # otherwise asked again after the next scrape
+            slots = props.get("total_slots") if isinstance(props, dict) else None
+            rep.slots = slots if isinstance(slots, int) and slots > 0 else 0
+
+    async def _get_json(self, rep: TrackedReplica, path: str, timeout_s: float) -> tuple[int, Any]:
+        """GET `path` of the replica with its credential: (status, the JSON body or None);
+        status 0 when it did not answer."""
         try:
             async with self.session.get(
-                rep.spec.url.rstrip("/") + "/props",
+                rep.spec.url.rstrip("/") + path,
                 headers=self._auth(rep),
-                timeout=aiohttp.ClientTimeout(total=self.config.scrape_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
-                if resp.status == 404:  # a build without /props: nothing to learn
-                    rep.slots = 0
-                    return
-                if resp.status != 200:
-                    return  # asked again after the next scrape
-                slots = (await resp.json(content_type=None)).get("total_slots")
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError):
-            return
-        rep.slots = slots if isinstance(slots, int) and slots > 0 else 0
+                body = orjson.loads(await resp.read()) if resp.status == 200 else None
+                return resp.status, body
+        except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError):
+            return 0, None
 
     def _auth(self, rep: TrackedReplica) -> dict[str, str] | None:
         """The replica's credential as a header, as the request path sends it."""
@@ -705,15 +710,7 @@ class FleetMonitor:
         return {"Authorization": f"Bearer {key}"} if key else None
 
     async def _discover_model(self, rep: TrackedReplica) -> str:
-        try:
-            async with self.session.get(
-                rep.spec.url.rstrip("/") + "/v1/models",
-                headers=self._auth(rep),
-                timeout=aiohttp.ClientTimeout(total=self.config.deep_probe_timeout_s),
-            ) as resp:
-                data = orjson.loads(await resp.read()) if resp.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return ""
+        _, data = await self._get_json(rep, "/v1/models", self.config.deep_probe_timeout_s)
         models = data.get("data") if isinstance(data, dict) else None
         if isinstance(models, list) and models and isinstance(models[0], dict):
             rep.model = str(models[0].get("id", ""))

@@ -731,13 +731,13 @@ class Gateway:
 
     def _seed_metrics(self) -> None:
         """Series the gateway can name in advance exist at zero (see `Metrics.seed`)."""
+        replicas = self.replicas.all()
+        pools = sorted({r.pool for r in replicas}) if len(self.config.pools) > 1 else []
         self.metrics.seed(
-            replicas=[(r.id, failure_domain(r.node, r.id)) for r in self.replicas.all()],
+            replicas=[(r.id, failure_domain(r.node, r.id)) for r in replicas],
             models=self.replicas.models(),
             tenants={name: t.tier for name, t in self.config.tenants.items()},
-            pools=sorted({r.pool for r in self.replicas.all()})
-            if len(self.config.pools) > 1
-            else (),
+            pools=pools,
         )
 
     def _metrics_public(self) -> bool:

@@ -30,7 +30,7 @@ from seawall.gateway.context import RequestCtx
 from seawall.gateway.inflight import InFlight
 from seawall.gateway.migrate import counting_request
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
-from seawall.gateway.pools import PoolRouter
+from seawall.gateway.pools import PoolRouter, one_pool_reach
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
 from seawall.metrics import Metrics
@@ -122,17 +122,15 @@ class Dispatcher:
         self, ctx: RequestCtx, now: float, tried: set[str], free_only: bool = False
     ) -> Replica | None:
         reach, ctx.reach = ctx.reach, None  # admission's look, good for the first choice
-        if reach is not None and not tried:
-            free, saturated = reach.free, reach.saturated
-            if reach.refused_by is not None:
-                ctx.pool_refused = reach.refused_by
-        elif self.pools is None:
-            free, saturated = self.replicas.candidates(ctx.model, now, tried, ctx.reserve_tokens)
-        else:
-            reach = self.pools.reach(ctx.model, ctx.pools, now, tried, ctx.reserve_tokens)
-            if reach.refused_by is not None:
-                ctx.pool_refused = reach.refused_by
-            free, saturated = reach.free, reach.saturated
+        if reach is None or tried:
+            need = ctx.reserve_tokens
+            if self.pools is None:
+                reach = one_pool_reach(self.replicas, ctx.model, now, tried, need)
+            else:
+                reach = self.pools.reach(ctx.model, ctx.pools, now, tried, need)
+        if reach.refused_by is not None:
+            ctx.pool_refused = reach.refused_by
+        free, saturated = reach.free, reach.saturated
         # Within what the serving pools allow: grammar-constrained requests and plain
         # ones kept apart (bulkhead.py).
         bulkhead = self.bulkheads.current() if self.bulkheads is not None else None

@@ -32,13 +32,13 @@ from collections import Counter, deque
 
 from seawall import clock
 from seawall.cluster.report import KV_HELD, KV_WANTED, SEQS_HELD, SEQS_WANTED
-from seawall.config import DEFAULT_POOL, AdmissionConfig
+from seawall.config import AdmissionConfig
 from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import AdmissionControl
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_quota import Grants, ReplicaGrant, capacity_of
-from seawall.gateway.pools import PoolRouter, Reach
+from seawall.gateway.pools import PoolRouter, one_pool_reach
 from seawall.gateway.queue import AdmissionQueue, Displaced
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.metrics import Metrics
@@ -253,13 +253,11 @@ class FleetAdmission:
         """The replicas this request may use: its pools, as its tier allows (pools.py).
         Kept on `ctx.reach` for the dispatcher's first choice, which follows without a
         pause when the request is admitted."""
+        need = ctx.reserve_tokens
         if self.pools is None:
-            free, saturated = self.replicas.candidates(
-                ctx.model, now, need_tokens=ctx.reserve_tokens
-            )
-            reach = Reach(free, saturated, DEFAULT_POOL if free or saturated else None)
+            reach = one_pool_reach(self.replicas, ctx.model, now, need_tokens=need)
         else:
-            reach = self.pools.reach(ctx.model, ctx.pools, now, need_tokens=ctx.reserve_tokens)
+            reach = self.pools.reach(ctx.model, ctx.pools, now, need_tokens=need)
         ctx.reach = reach
         return reach.free, reach.saturated
 

@@ -58,6 +58,18 @@ class Reach:
     refused_by: str | None = None
 
 
+def one_pool_reach(
+    replicas: ReplicaSet,
+    model: str,
+    now: float,
+    exclude: Iterable[str] = (),
+    need_tokens: int = 0,
+) -> Reach:
+    """A fleet of one pool: the replica set's own candidates (today's routing exactly)."""
+    free, saturated = replicas.candidates(model, now, exclude, need_tokens)
+    return Reach(free, saturated, DEFAULT_POOL if free or saturated else None)
+
+
 @dataclass
 class _Pool:
     spec: PoolSpec
@@ -108,8 +120,7 @@ class PoolRouter:
         need_tokens: int = 0,
     ) -> Reach:
         if self.single:
-            one = self.replicas.candidates(model, now, exclude, need_tokens)
-            return Reach(one[0], one[1], DEFAULT_POOL if one[0] or one[1] else None)
+            return one_pool_reach(self.replicas, model, now, exclude, need_tokens)
         specs = self._specs_serving(model)
         skip = set(exclude)
         # If no pool has room, the request waits (or is shed) in the first pool it could
