@@ -237,14 +237,20 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
                     what="gold served by the standby region",
                 )
                 # East comes back on the same addresses; traffic returns after the hold.
+                # The hold cannot start before east's processes do: time it from there.
+                east_started_wall = time.time()
                 east = [
                     start_sim(artifacts, name=f"east{i}-again", port=p)
                     for i, p in enumerate(east_ports)
                 ]
-                wait_until(lambda: routable(gw, cfg, ["e0", "e1"]), 20, what="east routable")
-                east_up_wall = time.time()
+                wait_until(
+                    lambda: routable(gw, cfg, ["e0"]) or routable(gw, cfg, ["e1"]),
+                    20,
+                    what="east routable",
+                )
                 assert serving(gw, cfg) == "west"  # not on the first healthy probe
                 wait_until(lambda: serving(gw, cfg) == "east", 20, what="failback to east")
+                wait_until(lambda: routable(gw, cfg, ["e0", "e1"]), 20, what="all east routable")
                 # `seawall map` tells the operator where each model is served and what moved.
                 admin = f"http://127.0.0.1:{cfg['admin']['port']}"
                 shown = subprocess.run(
@@ -284,7 +290,8 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
                 ("failover", "east", "west"),
                 ("failback", "west", "east"),
             ]
-            assert events[1]["at_wall"] - east_up_wall > 2.0  # the failback hold
+            hold = cfg["failover"]["failback_after_s"]
+            assert events[1]["at_wall"] - east_started_wall >= hold  # the failback hold
             assert metric_sum(m, "seawall_pool_failovers_total", to_pool="west") == 1
             assert metric_sum(m, "seawall_pool_failbacks_total", to_pool="east") == 1
             assert metric_sum(m, "seawall_upstream_attempts_total", replica="w0", outcome="ok") > 0
