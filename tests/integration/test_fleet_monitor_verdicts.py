@@ -86,7 +86,11 @@ async def test_a_saturated_engine_that_keeps_producing_tokens_stays_ready(
 ) -> None:
     spec = ReplicaSpec("r0", busy_sim.url, model="sim-model", engine="vllm")
     snapshots: list[FleetSnapshot] = []
-    async with FleetMonitor(fast_config(tmp_path), [spec]) as monitor:
+    # What is judged here is the deep probe (0.5 s timeout, which a full engine's queue
+    # outlasts); liveness gets room for a loaded CI machine, where two 0.5 s /health
+    # timeouts in a row were seen once.
+    config = fast_config(tmp_path, liveness_timeout_s=2.0)
+    async with FleetMonitor(config, [spec]) as monitor:
         monitor.subscribe(snapshots.append)
         await until(lambda: described(monitor, "r0")["state"] == "ready", "ready")
         # Two streams fill both sequence slots; a third waits in the engine's queue.

@@ -146,6 +146,7 @@ async def main(cfg):
     backend = RedisLimits(cfg["url"], "closed", cfg["prefix"], socket_timeout_s=5.0)
     limits = TenantLimits(**cfg["limits"])
     side = aioredis.Redis.from_url(cfg["url"])
+    await side.rpush(cfg["ready_key"], 1)
     await side.blpop([cfg["go_key"]], timeout=60)  # start together
     deadline = clock.monotonic() + cfg["duration_s"]
     stats = {"admitted": 0, "denied": {}, "max_in_flight": 0}
@@ -179,8 +180,16 @@ asyncio.run(main(json.loads(sys.argv[1])))
 
 async def run_workers(
     server: RedisServer, client: aioredis.Redis, count: int, **cfg: object
-) -> list[dict[str, Any]]:
-    base = {"url": server.url, "go_key": "go", "in_flight_key": "in_flight", **cfg}
+) -> tuple[list[dict[str, Any]], float]:
+    """Each worker's stats, and Redis's clock when they were told to start (all of them
+    up and connected by then: starting a process on a loaded machine takes seconds)."""
+    base = {
+        "url": server.url,
+        "go_key": "go",
+        "ready_key": "ready",
+        "in_flight_key": "in_flight",
+        **cfg,
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, json.dumps(base)],
@@ -191,13 +200,17 @@ async def run_workers(
         for _ in range(count)
     ]
     try:
+        for _ in range(count):
+            assert await client.blpop(["ready"], timeout=60), "a worker never came up"
+        seconds, micros = await client.time()
+        go_at = seconds + micros / 1e6
         await client.rpush("go", *range(count))
         results = []
         for proc in procs:
             out, err = await asyncio.to_thread(proc.communicate, timeout=90)
             assert proc.returncode == 0, err
             results.append(json.loads(out))
-        return results
+        return results, go_at
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -214,11 +227,8 @@ async def test_three_processes_admit_exactly_burst_plus_refill(
     namer = RedisLimits(redis_server.url, "closed", prefix)
     requests_key = namer.keys("acme")[0]
     await namer.close()
-    # Redis's clock before the start signal: the bucket is created (full) after this.
-    seconds, micros = await client.time()
-    started_at = seconds + micros / 1e6
-
-    results = await run_workers(
+    # The bucket is created (full) by the first request, after the start signal.
+    results, started_at = await run_workers(
         redis_server,
         client,
         3,
@@ -247,7 +257,7 @@ async def test_three_processes_admit_exactly_burst_plus_refill(
 async def test_concurrency_limit_holds_across_processes(
     redis_server: RedisServer, client: aioredis.Redis
 ) -> None:
-    results = await run_workers(
+    results, _ = await run_workers(
         redis_server,
         client,
         3,
