@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from seawall.config import GatewayConfig, Timeouts
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
 from seawall.gateway.admission_control import (
@@ -88,6 +90,36 @@ def test_a_reservation_follows_the_ledger_hold_and_the_end_teaches_the_length() 
     control.finish(c, 2.0)
     learned = control.lengths_view()["m/default/acme/<=1024"]
     assert learned["expected_tokens"] == 321 and learned["samples"] == 1
+
+
+def test_requests_admitted_before_any_estimate_take_the_first_one_that_arrives() -> None:
+    """A fresh gateway knows no lengths: its first requests reserve the worst case. When
+    the first completion teaches one, those still in flight, and those still waiting for
+    room, are re-estimated: an EOS-sampled one otherwise held 69 blocks for its whole run,
+    and the requests behind it waited for room the engine had."""
+    control = AdmissionControl(ControlConfig())
+    ledger = InFlight()
+    control.observe("r0", load(1.0), 1.0)
+    first, running, waiting = ctx(), ctx(), ctx()
+    for c in (first, running, waiting):
+        control.attach(c, 100, 1000, 1100, 0)
+    assert first.admission is not None and running.admission is not None
+    first.admission.bind("r0", ledger.hold("r0"))
+    running.admission.bind("r0", ledger.hold("r0"))
+    assert reserved_blocks(control, "r0", 1.0) == 2 * 69
+    assert waiting.reserve_tokens.demand.expected_tokens == 1000
+    first.status, first.usage = 200, {"completion_tokens": 50}
+    control.finish(first, 2.0)
+    # One sample, shrunk toward max_tokens (a third of the way: prior 0.5 of 1.5).
+    expected = pytest.approx(50 + (1000 - 50) / 3)
+    assert running.reserve_tokens.demand.expected_tokens == expected
+    assert waiting.reserve_tokens.demand.expected_tokens == expected
+    # 100 prompt + 366.7 expected tokens: 30 blocks at level 0 (no spread from one sample).
+    assert reserved_blocks(control, "r0", 2.0) == 30
+    # Its end gives back exactly what it holds now.
+    running.status, running.usage = 200, {"completion_tokens": 700}
+    control.finish(running, 3.0)
+    assert reserved_blocks(control, "r0", 3.0) == 0
 
 
 def test_a_request_that_ends_badly_gives_its_reservation_back_and_teaches_nothing() -> None:

@@ -56,14 +56,19 @@ if TYPE_CHECKING:
 
 class ReserveTokens(int):
     """Today's worst-case reservation in tokens (prompt + max_tokens), as an int, carrying
-    the request's `Demand` to the controller through code that passes only an int."""
+    the request's `Demand` (its ticket's, which a cold start may re-estimate) to the
+    controller through code that passes only an int."""
 
-    demand: Demand
+    ticket: AdmissionTicket
 
-    def __new__(cls, worst_tokens: int, demand: Demand) -> ReserveTokens:
+    def __new__(cls, worst_tokens: int, ticket: AdmissionTicket) -> ReserveTokens:
         obj = super().__new__(cls, worst_tokens)
-        obj.demand = demand
+        obj.ticket = ticket
         return obj
+
+    @property
+    def demand(self) -> Demand:
+        return self.ticket.demand
 
 
 @dataclass(slots=True)
@@ -119,6 +124,9 @@ class AdmissionControl:
         self.lengths = lengths or OutputLengths()
         self._replicas: dict[str, _Replica] = {}
         self._labels: dict[str, str] = {}  # replica -> cause label last exported
+        # Requests attached before their key had an estimate (a cold start, a new tenant):
+        # they reserve the worst case until one arrives, then what it says (`_rebase`).
+        self._cold: set[AdmissionTicket] = set()
         # This gateway's share of a replica (1.0 alone; the fleet leader's grant otherwise).
         self.quota_of: Callable[[str], float] = lambda replica_id: 1.0
 
@@ -144,9 +152,11 @@ class AdmissionControl:
         key = (ctx.model, ctx.tier, ctx.tenant)
         ceiling = max(0, min(max_tokens, worst_tokens - prompt_tokens))
         estimate = self.lengths.estimate(key, ceiling)
-        demand = Demand.of(prompt_tokens, ceiling, estimate, priority)
-        ctx.reserve_tokens = ReserveTokens(worst_tokens, demand)
-        ctx.admission = AdmissionTicket(self, demand, key)
+        ticket = AdmissionTicket(self, Demand.of(prompt_tokens, ceiling, estimate, priority), key)
+        ctx.reserve_tokens = ReserveTokens(worst_tokens, ticket)
+        ctx.admission = ticket
+        if estimate is None:
+            self._cold.add(ticket)
 
     def saturation(
         self,
@@ -252,12 +262,35 @@ class AdmissionControl:
         if not isinstance(ticket, AdmissionTicket):
             return
         ctx.admission = None  # once
+        self._cold.discard(ticket)
         for replica_id in list(ticket.bound):
             self._unbind(ticket, replica_id, now)
         if ctx.status == 200 and not ctx.error and not ctx.stream.migrations:
             tokens = completion_tokens(ctx)
             if tokens is not None:
                 self.lengths.observe(ticket.key, ticket.demand.max_tokens, tokens)
+                if self._cold:
+                    self._rebase()
+
+    def _rebase(self) -> None:
+        """Give the requests that arrived before any estimate (in flight, or waiting in the
+        queue) the one that now exists: without it, a fresh gateway's first requests hold
+        the worst case for their whole run (an EOS-sampled one up to `max_tokens` steps),
+        and the requests behind them wait for room the engine has. The estimate is shrunk
+        toward `max_tokens` while it rests on few completions (`OutputLengths.estimate`),
+        and the engine's own gauges still tighten the level if it is wrong."""
+        for ticket in list(self._cold):
+            old = ticket.demand
+            estimate = self.lengths.estimate(ticket.key, old.max_tokens)
+            if estimate is None:
+                continue
+            self._cold.discard(ticket)
+            new = Demand.of(old.prompt_tokens, old.max_tokens, estimate, old.priority)
+            ticket.demand = new
+            for replica_id, (_, block_size) in ticket.bound.items():
+                r = self._replicas.get(replica_id)
+                if r is not None:
+                    r.reserved = r.reserved.remove(old, block_size).add(new, block_size)
 
     def forget(self, replica_id: str) -> None:
         """The replica left the fleet."""
