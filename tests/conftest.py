@@ -10,9 +10,9 @@ import pytest
 
 from tests.support.procs import (
     ARTIFACTS,
-    free_port,
     require_binary,
     spawned_mark,
+    stable_port,
     stop_spawned_since,
 )
 from tests.support.redis_server import RedisServer
@@ -43,7 +43,7 @@ def artifacts(request: pytest.FixtureRequest) -> Iterator[Path]:
 
 @pytest.fixture
 def redis_server(artifacts: Path) -> Iterator[RedisServer]:
-    server = RedisServer(require_binary("redis-server"), free_port(), artifacts)
+    server = RedisServer(require_binary("redis-server"), stable_port(), artifacts)
     server.start()
     try:
         yield server

@@ -30,7 +30,7 @@ from tests.support.fleet import (
     start_sim,
     wait_until,
 )
-from tests.support.procs import Proc, free_port, seawall_argv
+from tests.support.procs import Proc, free_port, seawall_argv, stable_port
 
 pytestmark = pytest.mark.integration
 
@@ -177,7 +177,7 @@ def test_losing_the_active_pool_fails_over_and_back_with_nothing_lost_before_a_t
     """The standby region is another Seawall that wants an API key, which this gateway
     reads from its environment (`${WEST_API_KEY}`): its probes carry the key as its
     requests do, or the standby never becomes routable and a pool loss is a 503."""
-    east_ports = [free_port(), free_port()]
+    east_ports = [stable_port(), stable_port()]  # they come back on the same ports
     east = [start_sim(artifacts, name=f"east{i}", port=p) for i, p in enumerate(east_ports)]
     west_sim = start_sim(artifacts, name="west")
     west = start_gateway(

@@ -14,6 +14,7 @@ servers that cannot report theirs, and for tests that need a port nothing listen
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -48,6 +49,37 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_STABLE = (10_000, 30_000)  # below Linux's default ephemeral range (32768-60999)
+
+
+def stable_port() -> int:
+    """A free port the kernel never hands out by itself, for a server a test stops and
+    starts again on the same address (Redis after an outage, a region coming back):
+    with `free_port`, a port left free while the server is down is in the ephemeral range,
+    where another test's `bind(0)` or outgoing connection can take it (a Redis client
+    once met a gateway's `HTTP/1.0 400` there). Picked at random below that range, and
+    checked free; tests on several xdist workers pick apart."""
+    low, high = _ephemeral_range()
+    lo, hi = _STABLE if _STABLE[1] < low or _STABLE[0] > high else (1024, max(1025, low - 1))
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {lo}-{hi}")
 
 
 def require_binary(name: str) -> str:
