@@ -107,13 +107,21 @@ async def test_a_saturated_engine_that_keeps_producing_tokens_stays_ready(
             # Long enough for several deep-probe timeouts (3 in a row degrade a replica):
             # 1,000 more tokens at the sim's pace of two sequences per step.
             start = generated()
-            await until(lambda: generated() >= start + 1000, "1,000 tokens generated")
+            reasons: set[str] = set()  # every inconclusive reason shown meanwhile
+
+            def enough() -> bool:
+                reasons.add(str(described(monitor, "r0")["deep_probe"]["last_inconclusive"]))
+                return generated() >= start + 1000
+
+            await until(enough, "1,000 tokens generated")
             for s in snapshots[seen:]:
                 assert s.replicas["r0"].state == "ready" and s.replicas["r0"].routable, s
             info = described(monitor, "r0")
             assert info["state"] == "ready" and info["deep_probe"]["consecutive_failures"] == 0
             assert info["deep_probe"]["inconclusive"] >= 2, info["deep_probe"]
-            assert "queued" in info["deep_probe"]["last_inconclusive"]
+            # Judged inconclusive because the engine queued it (on a loaded machine some
+            # are for this test process's own loop stalls instead; those count the same).
+            assert any("queued" in r for r in reasons), reasons
         finally:
             for t in streams:
                 t.cancel()
@@ -144,7 +152,10 @@ async def test_probes_spoiled_by_our_own_loop_stall_fail_no_replica(
                 "both ready",
             )
             seen = len(snapshots)
-            await stall_the_loop_like_a_prompt_flood(seconds=4.0)
+            # Each probe loop concludes only a probe or two per stalled second, and whether a
+            # given one times out (spoiled) or its late answer is read first is up to the
+            # loop's order: 8 s gives every loop several tries (4 s once saw none).
+            await stall_the_loop_like_a_prompt_flood(seconds=8.0)
 
             for s in snapshots[seen:]:
                 for rid in ("r0", "r1"):
