@@ -122,6 +122,30 @@ class Proc:
         return "\n".join(lines[-n:])
 
 
+PEERS = REPO / "bench" / ".peers"  # throwaway venvs of the peers benchmarks run beside
+
+
+def peer_venv(name: str, spec: str, binary: str) -> Path:
+    """bench/.peers/<name>/bin/<binary>, creating the venv and installing `spec` once."""
+    venv = PEERS / name
+    exe = venv / "bin" / binary
+    if exe.exists():
+        return exe
+    print(f"installing {spec} into {venv} ...", flush=True)
+    PEERS.mkdir(parents=True, exist_ok=True)
+    ignore = PEERS / ".gitignore"
+    if not ignore.exists():  # keep the venvs out of git and out of ruff's reach
+        ignore.write_text("# throwaway peer venvs of bench/bench_gateway.py; never committed\n*\n")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", spec], check=True, timeout=1800)
+    return exe
+
+
+def peer_version(name: str, dist: str) -> str:
+    found = sorted((PEERS / name).glob(f"lib/python*/site-packages/{dist}-*.dist-info"))
+    return found[-1].name.removeprefix(f"{dist}-").removesuffix(".dist-info") if found else "?"
+
+
 def wait_http(url: str, timeout: float, proc: Proc | None = None, ok: int = 200) -> None:
     """Poll `url` until it answers `ok`, or raise after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -49,12 +49,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    PEERS,
     REPO,
     Proc,
     cpu_seconds,
     free_port,
     machine_context,
     peak_rss_mib,
+    peer_venv,
+    peer_version,
     percentile,
     print_table,
     run_driver,
@@ -63,7 +66,6 @@ from _common import (
     wait_http,
 )
 
-PEERS = REPO / "bench" / ".peers"
 LOGS = REPO / "bench" / "results" / "gateway-logs"
 MODEL = "sim-model"
 SYSTEMS = ("direct", "seawall", "seawall-noadm", "vllm-router", "litellm")
@@ -107,27 +109,6 @@ LITELLM_ENV = {
 
 
 # ----------------------------------------------------------------------------- peers
-
-
-def peer_venv(name: str, spec: str, binary: str) -> Path:
-    """bench/.peers/<name>/bin/<binary>, creating the venv and installing `spec` once."""
-    venv = PEERS / name
-    exe = venv / "bin" / binary
-    if exe.exists():
-        return exe
-    print(f"installing {spec} into {venv} ...", flush=True)
-    PEERS.mkdir(parents=True, exist_ok=True)
-    ignore = PEERS / ".gitignore"
-    if not ignore.exists():  # keep the venvs out of git and out of ruff's reach
-        ignore.write_text("# throwaway peer venvs of bench/bench_gateway.py; never committed\n*\n")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", spec], check=True, timeout=1800)
-    return exe
-
-
-def peer_version(name: str, dist: str) -> str:
-    found = sorted((PEERS / name).glob(f"lib/python*/site-packages/{dist}-*.dist-info"))
-    return found[-1].name.removeprefix(f"{dist}-").removesuffix(".dist-info") if found else "?"
 
 
 # ----------------------------------------------------------------------------- systems

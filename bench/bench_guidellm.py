@@ -1,21 +1,25 @@
 """guidellm's TTFT and ITL through `seawall serve` against direct, with the noise.
 
     python bench/bench_guidellm.py [--seconds 20] [--rate 4] [--prompt-tokens 128]
-        [--output-tokens 64] [--replicas 1]
+        [--output-tokens 64] [--replicas 1] [--rounds 1] [--peers]
 
 guidellm 0.8 (unchanged, in its own venv: `./dev setup`, tests/support/guidellm.py)
-runs the same constant-rate load three times against the same `seawall sim` replica:
-direct, through the gateway (`seawall serve --replica ...`), and direct again. One
-replica by default, so the gateway's run meets the same engine as the direct ones
-(guidellm has one target; with `--replicas N` the gateway spreads over N, direct
-still uses the first). The two direct runs give the noise: the gateway matches direct when its
-difference from the direct mean is within the two direct runs' spread. Each run has its
-own data seed, so no run reuses another's prompts from the sims' prefix cache.
+runs the same constant-rate load several times against the same `seawall sim` replica:
+direct, through the gateway (`seawall serve --replica ...`), through vllm-router with
+`--peers` (PyPI `vllm-router`, installed once into bench/.peers as bench_gateway.py
+does), and direct again. One replica by default, so every proxied run meets the same
+engine as the direct ones (guidellm has one target; with `--replicas N` the proxies
+spread over N, direct still uses the first). The two direct runs of a round give the
+noise: a proxy matches direct when its difference from the round's direct mean is within
+the two direct runs' spread. `--rounds N` repeats the whole sequence N times (the
+proxies stay up), so the verdict can be read over rounds rather than from one. Each run
+has its own data seed, so no run reuses another's prompts from the sims' prefix cache.
 
 Prints per run: requests ok / errored, TTFT and ITL (ms) median and p95 as guidellm
-measures them, then gateway minus direct-mean beside |direct 1 - direct 2|. Bounded:
-each run is `--seconds` at `--rate` requests/s, to 127.0.0.1 only. Figures from a busy
-machine measure the wait for a core as well; publish only quiet-machine runs.
+measures them, then per round and proxy: its minus the direct mean beside |direct 1 -
+direct 2|. Bounded: each run is `--seconds` at `--rate` requests/s, to 127.0.0.1 only.
+Figures from a busy machine measure the wait for a core as well; publish only
+quiet-machine runs.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ sys.path.insert(0, str(REPO))
 from tests.support import guidellm  # noqa: E402
 
 from _common import (  # noqa: E402
+    PEERS,
     Proc,
     free_port,
     machine_context,
+    peer_venv,
+    peer_version,
     print_table,
     seawall_env,
     sim_argv,
@@ -51,6 +58,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="direct, proxies, direct; N times")
+    parser.add_argument("--peers", action="store_true", help="also through vllm-router")
     args = parser.parse_args()
     if guidellm.binary() is None:
         print(f"guidellm is not installed in {guidellm.venv_dir()}: run ./dev setup")
@@ -59,6 +68,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-guidellm-"))
     tokenizer = guidellm.make_tokenizer(work / "tokenizer")
     procs: list[Proc] = []
+    proxies: dict[str, str] = {}  # name -> its url
+    notes: dict[str, str] = {}
     try:
         sims = []
         for i in range(args.replicas):
@@ -70,65 +81,88 @@ def main() -> int:
             sims.append(sim)
         for sim in sims:
             wait_http(f"http://127.0.0.1:{sim.port}/health", 30, sim)
+        upstreams = [f"http://127.0.0.1:{sim.port}" for sim in sims]
         port = free_port()
         argv = [sys.executable, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
-        for sim in sims:
-            argv += ["--replica", f"http://127.0.0.1:{sim.port}"]
+        for u in upstreams:
+            argv += ["--replica", u]
         gateway = Proc("gateway", argv, work / "gateway.log", seawall_env(), REPO, port)
         procs.append(gateway)
         wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, gateway)
+        proxies["gateway"] = f"http://127.0.0.1:{port}"
+        if args.peers:
+            exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
+            port = free_port()
+            argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
+            argv += ["--worker-urls", *upstreams, "--policy", "round_robin"]
+            argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
+            env = seawall_env({"RUST_LOG": "warn"})
+            router = Proc("vllm-router", argv, work / "vllm-router.log", env, PEERS, port)
+            procs.append(router)
+            wait_http(f"http://127.0.0.1:{port}/health", 120, router)
+            proxies["vllm-router"] = f"http://127.0.0.1:{port}"
+            notes["vllm-router"] = peer_version("vllm-router", "vllm_router")
 
-        runs = [
-            ("direct 1", f"http://127.0.0.1:{sims[0].port}"),
-            ("gateway", f"http://127.0.0.1:{port}"),
-            ("direct 2", f"http://127.0.0.1:{sims[0].port}"),
-        ]
-        results = {}
-        for seed, (name, target) in enumerate(runs, start=101):
-            results[name] = guidellm.run(
-                target,
-                work / f"{name.replace(' ', '-')}.json",
-                seed=seed,
-                seconds=args.seconds,
-                rate=args.rate,
-                tokenizer=tokenizer,
-                prompt_tokens=args.prompt_tokens,
-                output_tokens=args.output_tokens,
-                timeout_s=args.seconds * 4 + 300,
-            )
+        direct = upstreams[0]
+        results: list[dict[str, guidellm.Result]] = []
+        seed = 101
+        for _ in range(args.rounds):
+            sequence = [("direct 1", direct), *proxies.items(), ("direct 2", direct)]
+            got = {}
+            for name, target in sequence:
+                got[name] = guidellm.run(
+                    target,
+                    work / f"round{len(results) + 1}-{name.replace(' ', '-')}.json",
+                    seed=seed,
+                    seconds=args.seconds,
+                    rate=args.rate,
+                    tokenizer=tokenizer,
+                    prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.output_tokens,
+                    timeout_s=args.seconds * 4 + 300,
+                )
+                seed += 1
+            results.append(got)
     finally:
         for p in reversed(procs):
             p.stop()
 
+    peers = f"; vllm-router {notes['vllm-router']} (round_robin)" if "vllm-router" in notes else ""
     print(
         f"\nguidellm {guidellm.VERSION}, constant {args.rate:g} req/s for {args.seconds:g} s, "
         f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
-        f"{args.replicas} sim replica(s) behind the gateway; direct uses the first\n"
+        f"{args.replicas} sim replica(s) behind each proxy; direct uses the first{peers}\n"
     )
     rows = []
-    for name, r in results.items():
-        rows.append(
-            [
-                name, r.successful, r.errored,
-                f"{r.ttft_ms['median']:.1f}", f"{r.ttft_ms['p95']:.1f}",
-                f"{r.itl_ms['median']:.2f}", f"{r.itl_ms['p95']:.2f}",
-            ]
-        )  # fmt: skip
+    for i, got in enumerate(results, start=1):
+        for name, r in got.items():
+            rows.append(
+                [
+                    i, name, r.successful, r.errored,
+                    f"{r.ttft_ms['median']:.1f}", f"{r.ttft_ms['p95']:.1f}",
+                    f"{r.itl_ms['median']:.2f}", f"{r.itl_ms['p95']:.2f}",
+                ]
+            )  # fmt: skip
     print_table(
-        ["run", "ok", "errored", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms"], rows
+        ["round", "run", "ok", "errored", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms"],
+        rows,
     )
-    d1, gw, d2 = results["direct 1"], results["gateway"], results["direct 2"]
     print()
     rows = []
     for label, pick in (
         ("TTFT p50 ms", lambda r: r.ttft_ms["median"]),
         ("ITL p50 ms", lambda r: r.itl_ms["median"]),
     ):
-        added = pick(gw) - (pick(d1) + pick(d2)) / 2
-        noise = abs(pick(d1) - pick(d2))
-        verdict = "within noise" if abs(added) <= noise else "outside noise"
-        rows.append([label, f"{added:+.2f}", f"{noise:.2f}", verdict])
-    print_table(["figure", "gateway - direct mean", "|direct 1 - direct 2|", ""], rows)
+        for i, got in enumerate(results, start=1):
+            d1, d2 = got["direct 1"], got["direct 2"]
+            noise = abs(pick(d1) - pick(d2))
+            for name in proxies:
+                added = pick(got[name]) - (pick(d1) + pick(d2)) / 2
+                verdict = "within noise" if abs(added) <= noise else "outside noise"
+                rows.append([label, i, name, f"{added:+.2f}", f"{noise:.2f}", verdict])
+    print_table(
+        ["figure", "round", "through", "minus direct mean", "|direct 1 - direct 2|", ""], rows
+    )
     print(f"\nlogs and guidellm reports: {work}")
     return 0
 
