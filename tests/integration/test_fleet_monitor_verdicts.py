@@ -117,7 +117,10 @@ async def test_a_saturated_engine_that_keeps_producing_tokens_stays_ready(
             for s in snapshots[seen:]:
                 assert s.replicas["r0"].state == "ready" and s.replicas["r0"].routable, s
             info = described(monitor, "r0")
-            assert info["state"] == "ready" and info["deep_probe"]["consecutive_failures"] == 0
+            # Never a streak that degrades it (3 in a row). On a loaded machine one probe
+            # can still fail outright: a scrape late enough that no progress shows.
+            streak = info["deep_probe"]["consecutive_failures"]
+            assert info["state"] == "ready" and streak < config.deep_probe_failures_threshold
             assert info["deep_probe"]["inconclusive"] >= 2, info["deep_probe"]
             # Judged inconclusive because the engine queued it (on a loaded machine some
             # are for this test process's own loop stalls instead; those count the same).
