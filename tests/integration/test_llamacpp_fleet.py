@@ -85,15 +85,21 @@ def test_long_requests_on_a_healthy_llamacpp_replica_are_not_stuck(
 
     done = threading.Event()
     states = watch_states(fleet, "l0", done)
-    started = time.monotonic()
-    outcomes = in_background(fleet.client, 4, max_tokens, stream=False)
-    wait_all(outcomes, 180)
-    lasted_s = time.monotonic() - started
+    # The speed was measured under whatever else the machine was doing, which changes:
+    # requests that turn out shorter than two watchdog windows are sent again, longer.
+    for _ in range(3):
+        started = time.monotonic()
+        outcomes = in_background(fleet.client, 4, max_tokens, stream=False)
+        wait_all(outcomes, 180)
+        lasted_s = time.monotonic() - started
+        assert [o.error for o in outcomes] == [None] * 4
+        assert all(o.usage.completion_tokens == max_tokens for o in outcomes)
+        if lasted_s > 2 * window_s:
+            break
+        max_tokens = min(max_tokens * 2, server.ctx_per_slot - 256)
     done.set()
 
     assert lasted_s > 2 * window_s, "the requests were too short to test the watchdog"
-    assert [o.error for o in outcomes] == [None] * 4
-    assert all(o.usage.completion_tokens == max_tokens for o in outcomes)
     assert fleet.restarts() == 0
     assert set(states) == {"ready"}, states
 
