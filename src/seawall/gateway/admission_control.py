@@ -45,6 +45,7 @@ from seawall.policy.adaptive_admission import (
     OutputLengths,
     ReplicaAdmission,
     Reservations,
+    length_class,
 )
 from seawall.protocol.sse import Kind
 
@@ -124,9 +125,10 @@ class AdmissionControl:
         self.lengths = lengths or OutputLengths()
         self._replicas: dict[str, _Replica] = {}
         self._labels: dict[str, str] = {}  # replica -> cause label last exported
-        # Requests attached before their key had an estimate (a cold start, a new tenant):
-        # they reserve the worst case until one arrives, then what it says (`_rebase`).
-        self._cold: set[AdmissionTicket] = set()
+        # Requests attached before their key had an estimate (a cold start, a new tenant),
+        # by (model, length class): the completions that can give them one. They reserve
+        # the worst case until one arrives, then what it says (`_rebase`).
+        self._cold: dict[tuple[str, str], set[AdmissionTicket]] = {}
         # This gateway's share of a replica (1.0 alone; the fleet leader's grant otherwise).
         self.quota_of: Callable[[str], float] = lambda replica_id: 1.0
 
@@ -156,7 +158,7 @@ class AdmissionControl:
         ctx.reserve_tokens = ReserveTokens(worst_tokens, ticket)
         ctx.admission = ticket
         if estimate is None:
-            self._cold.add(ticket)
+            self._cold.setdefault(_cold_group(ticket), set()).add(ticket)
 
     def saturation(
         self,
@@ -262,7 +264,8 @@ class AdmissionControl:
         if not isinstance(ticket, AdmissionTicket):
             return
         ctx.admission = None  # once
-        self._cold.discard(ticket)
+        if self._cold:
+            self._forget_cold(ticket)
         for replica_id in list(ticket.bound):
             self._unbind(ticket, replica_id, now)
         if ctx.status == 200 and not ctx.error and not ctx.stream.migrations:
@@ -270,21 +273,34 @@ class AdmissionControl:
             if tokens is not None:
                 self.lengths.observe(ticket.key, ticket.demand.max_tokens, tokens)
                 if self._cold:
-                    self._rebase()
+                    self._rebase(_cold_group(ticket))
 
-    def _rebase(self) -> None:
+    def _forget_cold(self, ticket: AdmissionTicket) -> None:
+        group = _cold_group(ticket)
+        tickets = self._cold.get(group)
+        if tickets is not None:
+            tickets.discard(ticket)
+            if not tickets:
+                del self._cold[group]
+
+    def _rebase(self, group: tuple[str, str]) -> None:
         """Give the requests that arrived before any estimate (in flight, or waiting in the
         queue) the one that now exists: without it, a fresh gateway's first requests hold
         the worst case for their whole run (an EOS-sampled one up to `max_tokens` steps),
         and the requests behind them wait for room the engine has. The estimate is shrunk
         toward `max_tokens` while it rests on few completions (`OutputLengths.estimate`),
-        and the engine's own gauges still tighten the level if it is wrong."""
-        for ticket in list(self._cold):
+        and the engine's own gauges still tighten the level if it is wrong. Only the
+        completion's own group can have learned anything (estimates fall back within a
+        model and length class), so only its tickets are looked at."""
+        cold = self._cold.get(group)
+        if not cold:
+            return
+        for ticket in list(cold):
             old = ticket.demand
             estimate = self.lengths.estimate(ticket.key, old.max_tokens)
             if estimate is None:
-                continue
-            self._cold.discard(ticket)
+                continue  # `min_samples` not reached yet for this key
+            self._forget_cold(ticket)
             new = Demand.of(old.prompt_tokens, old.max_tokens, estimate, old.priority)
             ticket.demand = new
             for replica_id, (_, block_size) in ticket.bound.items():
@@ -339,6 +355,10 @@ class AdmissionControl:
             "completions_per_s": round(s.completions_per_s, 3),
             "metrics_age_s": None if s.metrics_age_s is None else round(s.metrics_age_s, 2),
         }
+
+
+def _cold_group(ticket: AdmissionTicket) -> tuple[str, str]:
+    return ticket.key[0], length_class(ticket.demand.max_tokens)
 
 
 def _demand_of(need_tokens: int) -> Demand:
