@@ -12,6 +12,7 @@ What a user of several gateways must be able to count on:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -124,6 +125,18 @@ def test_probes_per_replica_do_not_grow_with_the_instance_count(
 # ----------------------------------------------------------------- leader fail-over
 
 
+def _until_one_leads(instances: list[Instance], timeout: float) -> float:
+    """The monotonic time at which one of `instances` was first seen leading."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for gw in instances:
+            with contextlib.suppress(httpx.HTTPError):
+                if gw.cluster()["role"] == "leader":
+                    return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"no survivor leads after {timeout}s")
+
+
 def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     artifacts: Path, sims: list[Proc], redis_server: RedisServer
 ) -> None:
@@ -170,8 +183,10 @@ def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     killed_at = time.monotonic()
     leader.proc.signal(signal.SIGKILL)
     leader.proc.wait(10)
-    new = wait_for_leader(survivors, timeout=bound_s + 10)
-    took_s = time.monotonic() - killed_at
+    # The promise is when a survivor holds the lease; the other one learns of it at its
+    # next renew tick (up to a renew interval later), which `wait_for_leader` also waits for.
+    took_s = _until_one_leads(survivors, timeout=bound_s + 10) - killed_at
+    new = wait_for_leader(survivors, timeout=10)
     print(f"\nnew leader {new.name} after {took_s:.2f} s (promised: {bound_s:g} s)")
     for t in threads:
         t.join(60)

@@ -339,6 +339,9 @@ async def test_redis_outage_fails_open_or_closed_and_recovers(
         mark = len(opened)
         await _until(lambda: len(opened) >= mark + 40, "load while down")
         since_last_shared_s = clock.monotonic() - stopping_at
+        # Not "down" from here: a request may reach the new Redis (a fresh full bucket)
+        # before `start` has seen it answer a ping.
+        phase[0] = "starting"
         await asyncio.to_thread(redis_server.start)
         phase[0] = "restarted"
         await _until(lambda: not fail_open.degraded and not fail_closed.degraded, "recovery")
