@@ -120,6 +120,12 @@ async def test_refused_connections_do_not_spend_the_retry_budget(artifacts: Path
     }
     gw = start_gateway(artifacts, [dead, alive], {"fleet": slow_monitor})
     with running(gw, dead, alive):
+        # Both in routing first (readiness needs only one): the requests must find `dead`.
+        wait_until(
+            lambda: metric_sum(scrape(gw.url), "seawall_replica_state", state="ready") == 2,
+            20,
+            what="both replicas ready",
+        )
         dead.popen.kill()
         dead.wait(timeout=5)
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)

@@ -51,6 +51,7 @@ class StreamState:
     created: int | None = None
     opened: Opened | None = None  # the upstream being relayed now
     events: int = 0  # SSE events relayed after the head (a completion-length count)
+    last: bytes = b""  # the stream's final bytes, held to go out with its end (relay.py)
 
     @property
     def completion_tokens(self) -> int:

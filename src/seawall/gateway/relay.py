@@ -114,7 +114,7 @@ class Relay:
         self, request: web.Request, ctx: RequestCtx, opened: Opened
     ) -> web.StreamResponse:
         self.dispatcher.first_token(ctx, opened)
-        resp = web.StreamResponse(
+        resp = _EventStream(
             status=200,
             headers={
                 "Content-Type": opened.conn.headers.get(
@@ -173,6 +173,8 @@ class Relay:
             ctx.stage = "streaming"
             ctx.replica = nxt.replica.id
             end = await self._pump(request, ctx, opened, resp, watch)
+        # The stream's final bytes, held back by the feed to go out with the end (`_send`).
+        last, st.last = st.last, b""
         if end is StreamEnd.done and st.aborted:
             # Relayed as the engine sent it (finish_reason "abort", then [DONE]), but the
             # answer was cut short: a dropped stream all the same.
@@ -181,6 +183,10 @@ class Relay:
             self.metrics.stream_errors.labels(end.value).inc()
             ctx.error = end.value
         elif end is StreamEnd.done:
+            if last:
+                # The answer's last bytes and the terminating chunk, in one write (a client
+                # gone before it did not get `[DONE]`: it left).
+                await resp.write_eof(last)
             self.budget.deposit(clock.monotonic())
             opened.replica.observe_outcome(True)
         else:
@@ -188,7 +194,8 @@ class Relay:
                 opened.replica.observe_outcome(False)
             self.metrics.stream_errors.labels(end.value).inc()
             ctx.error = end.value
-            await resp.write(_error_event(ctx, end, watch.events))
+            await resp.write(last + _error_event(ctx, end, watch.events))
+            last = b""
         if end is StreamEnd.done:
             # The client has the whole answer, `[DONE]` included; SDKs close the
             # connection as soon as they read it, so the terminating chunk may find it
@@ -196,7 +203,7 @@ class Relay:
             with contextlib.suppress(ConnectionResetError):
                 await resp.write_eof()
             return
-        await resp.write_eof()
+        await resp.write_eof(last)
 
     async def _pump(
         self,
@@ -231,8 +238,8 @@ class Relay:
                     watch.see(out)  # a terminal event may begin after the head's events
                 done = any(e.terminal for e in opened.head)
                 end = StreamEnd.done if done else None
-            if out:
-                await resp.write(out)
+            # Puts the headers on the wire, with the head when it has bytes (one write).
+            await resp.write(out)
             if end is not None:
                 return end
         conn = opened.conn
@@ -417,6 +424,14 @@ class Relay:
             return opened
 
 
+class _EventStream(web.StreamResponse):
+    """A stream's response whose headers wait for its first bytes, to go out with them in
+    one write (aiohttp buffers them so since 3.12).
+    The relay writes the head at once after `prepare`, so nothing is held back."""
+
+    _send_headers_immediately = False
+
+
 def _without(obj: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
     """`obj` without `keys` (the same object when it has none of them)."""
     if not keys or keys.isdisjoint(obj):
@@ -554,15 +569,20 @@ class _Feed:
         replica.chunks_relayed += 1
 
     def _send(self, out: bytes, end: StreamEnd | None) -> bool:
-        """Write `out` to the client as one HTTP chunk; False ends the relay."""
+        """Write `out` to the client as one HTTP chunk; False ends the relay. The bytes
+        that end a stream wait for the relay's coroutine, which writes them with the
+        response's terminating chunk (a short stream's write count is most of its cost)."""
         if out:
             transport = self.transport
             if transport.is_closing():
                 self.end = _CLIENT_LEFT
                 return False
-            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
-            if self._client.writing_paused:
-                self.conn.pause()
+            if end is StreamEnd.done and self.conn.complete:
+                self.ctx.stream.last = out
+            else:
+                transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
+                if self._client.writing_paused:
+                    self.conn.pause()
         if end is not None:
             self.end = end
             if end is StreamEnd.done:

@@ -165,9 +165,16 @@ async def _read(request: web.Request, max_body_bytes: int, prompt_bound: int | N
     declared = request.content_length
     if declared is not None and declared > limit:
         raise over(declared)
+    content = request.content
+    if content.is_eof():
+        # The whole body came with the headers (most requests): no read to wait for.
+        raw = content.read_nowait()
+        if len(raw) > limit:
+            raise over(len(raw))
+        return raw
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
+    async for chunk in content.iter_any():
         size += len(chunk)
         if size > limit:
             raise over(size)
