@@ -87,6 +87,7 @@ class RetryBudget:
         self._slot_s = ttl_s / _SLOTS
         # (slot index, earned tokens left from deposits in that slot), oldest first.
         self._earned: deque[list[float]] = deque()
+        self._earned_sum: float | None = 0.0  # their total; None: to be summed again
         self._fleet_capacity = min_per_s * reserve_window_s
         self._fleet_refill_per_s = min_per_s
         self.instances = 1
@@ -120,9 +121,13 @@ class RetryBudget:
         earned = self._earned
         while earned and earned[0][0] * self._slot_s + self.ttl_s <= now:
             earned.popleft()
+            self._earned_sum = None
 
     def _earned_total(self) -> float:
-        return sum(tokens for _, tokens in self._earned)
+        # Kept between changes: every successful request deposits, and asks for it.
+        if self._earned_sum is None:
+            self._earned_sum = sum(tokens for _, tokens in self._earned)
+        return self._earned_sum
 
     def deposit(self, now: float) -> None:
         """Record one successful request."""
@@ -136,6 +141,8 @@ class RetryBudget:
             earned[-1][1] += amount  # same slot (or a clock that stepped back)
         else:
             earned.append([slot, amount])
+        if self._earned_sum is not None:
+            self._earned_sum += amount
 
     def try_withdraw(self, now: float) -> bool:
         """Spend one token for a retry or hedge; False means the budget is exhausted.
@@ -150,6 +157,7 @@ class RetryBudget:
             return False
         need = _WITHDRAWAL
         earned = self._earned
+        self._earned_sum = None
         while earned and need > 0:
             take = min(earned[0][1], need)
             earned[0][1] -= take
