@@ -146,6 +146,24 @@ def peer_version(name: str, dist: str) -> str:
     return found[-1].name.removeprefix(f"{dist}-").removesuffix(".dist-info") if found else "?"
 
 
+def start_vllm_router(
+    upstreams: list[str], port: int, log: Path, policy: str = "round_robin"
+) -> tuple[Proc, str]:
+    """vllm-router (PyPI, its own venv under bench/.peers) on 127.0.0.1:`port` in front of
+    `upstreams`, ready; and its version."""
+    exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
+    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--worker-urls", *upstreams, "--policy", policy]
+    argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
+    proc = Proc("vllm-router", argv, log, seawall_env({"RUST_LOG": "warn"}), PEERS, port)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 120, proc)
+    except BaseException:
+        proc.stop()  # not left behind when it does not come up
+        raise
+    return proc, peer_version("vllm-router", "vllm_router")
+
+
 def wait_http(url: str, timeout: float, proc: Proc | None = None, ok: int = 200) -> None:
     """Poll `url` until it answers `ok`, or raise after `timeout` seconds."""
     deadline = time.monotonic() + timeout

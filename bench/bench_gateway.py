@@ -63,6 +63,7 @@ from _common import (
     run_driver,
     seawall_env,
     sim_argv,
+    start_vllm_router,
     wait_http,
 )
 
@@ -195,13 +196,7 @@ def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> S
         wait_http(url + "/readyz", 60, proc)
         return System(name, url, proc, notes)
     if name == "vllm-router":
-        exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
-        argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
-        argv += ["--worker-urls", *upstreams, "--policy", args.router_policy]
-        argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
-        proc = Proc(name, argv, log, env=seawall_env({"RUST_LOG": "warn"}), cwd=PEERS)
-        wait_http(url + "/health", 120, proc)
-        version = peer_version("vllm-router", "vllm_router")
+        proc, version = start_vllm_router(upstreams, port, log, args.router_policy)
         return System(name, url, proc, f"{version}, policy {args.router_policy}, log level warning")
     if name == "litellm":
         exe = peer_venv("litellm", "litellm[proxy]", "litellm")

@@ -36,15 +36,13 @@ sys.path.insert(0, str(REPO))
 from tests.support import guidellm  # noqa: E402
 
 from _common import (  # noqa: E402
-    PEERS,
     Proc,
     free_port,
     machine_context,
-    peer_venv,
-    peer_version,
     print_table,
     seawall_env,
     sim_argv,
+    start_vllm_router,
     wait_http,
 )
 
@@ -91,17 +89,12 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, gateway)
         proxies["gateway"] = f"http://127.0.0.1:{port}"
         if args.peers:
-            exe = peer_venv("vllm-router", "vllm-router", "vllm-router")
             port = free_port()
-            argv = [str(exe), "--host", "127.0.0.1", "--port", str(port)]
-            argv += ["--worker-urls", *upstreams, "--policy", "round_robin"]
-            argv += ["--log-level", "warning", "--prometheus-port", str(free_port())]
-            env = seawall_env({"RUST_LOG": "warn"})
-            router = Proc("vllm-router", argv, work / "vllm-router.log", env, PEERS, port)
+            router, notes["vllm-router"] = start_vllm_router(
+                upstreams, port, work / "vllm-router.log"
+            )
             procs.append(router)
-            wait_http(f"http://127.0.0.1:{port}/health", 120, router)
             proxies["vllm-router"] = f"http://127.0.0.1:{port}"
-            notes["vllm-router"] = peer_version("vllm-router", "vllm_router")
 
         direct = upstreams[0]
         results: list[dict[str, guidellm.Result]] = []

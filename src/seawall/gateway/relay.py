@@ -187,22 +187,21 @@ class Relay:
                 # The answer's last bytes and the terminating chunk, in one write (a client
                 # gone before it did not get `[DONE]`: it left).
                 await resp.write_eof(last)
+            else:
+                # The client has the whole answer, `[DONE]` included; SDKs close the
+                # connection as soon as they read it, so the terminating chunk may find
+                # it gone. That is a complete stream, not a client that left.
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write_eof()
             self.budget.deposit(clock.monotonic())
             opened.replica.observe_outcome(True)
+            return
         else:
             if STREAM_RULES[end].replica_fault:
                 opened.replica.observe_outcome(False)
             self.metrics.stream_errors.labels(end.value).inc()
             ctx.error = end.value
-            await resp.write(last + _error_event(ctx, end, watch.events))
-            last = b""
-        if end is StreamEnd.done:
-            # The client has the whole answer, `[DONE]` included; SDKs close the
-            # connection as soon as they read it, so the terminating chunk may find it
-            # gone. That is a complete stream, not a client that left.
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write_eof()
-            return
+            last += _error_event(ctx, end, watch.events)
         await resp.write_eof(last)
 
     async def _pump(
