@@ -349,7 +349,7 @@ def profile_seawall(name: str, upstreams: list[str], conc: int, args: argparse.N
     pyspy = peer_venv("tools", "py-spy", "py-spy")
     system = start_system(name, upstreams, args)
     assert system.proc is not None and system.url is not None
-    raw = LOGS / "seawall-profile.txt"
+    raw = LOGS / f"{name.replace('@', '-')}-profile.txt"
     try:
         run_driver([system.url], MODEL, args.route, conc, conc, args.max_tokens, 60.0, 30.0)
         spy = subprocess.Popen(
@@ -536,8 +536,9 @@ def main() -> int:
         "--profile",
         nargs="?",
         const="seawall",
-        choices=("seawall", "seawall-noadm"),
-        help="py-spy one more load through this Seawall variant (default seawall)",
+        metavar="SYSTEM",
+        help="py-spy one more load through this Seawall variant: seawall (the default), "
+        "seawall-noadm or seawall@REV",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
     parser.add_argument(
@@ -549,6 +550,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    if args.profile and not (
+        args.profile in ("seawall", "seawall-noadm") or args.profile.startswith("seawall@")
+    ):
+        parser.error("--profile takes seawall, seawall-noadm or seawall@REV")
     names = [s for s in SYSTEMS if s.startswith(("direct", "seawall")) or args.peers]
     if args.systems:
         wanted = set(args.systems.split(","))

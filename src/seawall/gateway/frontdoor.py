@@ -393,6 +393,8 @@ class ConnectionTable:
         """The connection's state changed (a request began or ended, a key was seen)."""
         if conn not in self._all:
             return  # evicted or closed meanwhile
+        if not evictable and not conn.evictable and (not keyed or conn.keyed):
+            return  # in no pool, and staying out of them: nothing changes
         self._set_idle(conn, False)
         if keyed and not conn.keyed:
             self._count_unkeyed(conn, -1)
@@ -417,13 +419,14 @@ class ConnectionTable:
 
     def _set_idle(self, conn: Conn, evictable: bool) -> None:
         """Move `conn` in or out of the evictable pools (in: to the young end)."""
-        by_address = self._idle_unkeyed_by_address.get(conn.address)
-        self._idle_unkeyed.pop(conn, None)
-        self._idle_keyed.pop(conn, None)
-        if by_address is not None:
-            by_address.pop(conn, None)
-            if not by_address:
-                del self._idle_unkeyed_by_address[conn.address]
+        if conn.evictable:  # in a pool (or new, in none yet): out of it first
+            by_address = self._idle_unkeyed_by_address.get(conn.address)
+            self._idle_unkeyed.pop(conn, None)
+            self._idle_keyed.pop(conn, None)
+            if by_address is not None:
+                by_address.pop(conn, None)
+                if not by_address:
+                    del self._idle_unkeyed_by_address[conn.address]
         conn.evictable = evictable
         if not evictable:
             return

@@ -284,6 +284,11 @@ class Demand:
     expected_tokens: float  # learned mean output, <= max_tokens
     spread_tokens: float  # learned spread, <= expected_tokens
     priority: int = 0
+    # `sized`'s last answer, (block size, answer): a pure function of the fields above,
+    # asked for the same block size by every decision and reservation of the request.
+    _sized: tuple[int, tuple[int, int, int, int]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @staticmethod
     def of(
@@ -298,21 +303,35 @@ class Demand:
 
     def variance(self, block_size: int) -> int:
         """The spread squared, in blocks squared (hundredths: integer sums stay exact)."""
-        return round((self.spread_tokens / max(block_size, 1)) ** 2 * 100)
+        return self.sized(block_size)[3]
 
     def blocks(self, block_size: int) -> tuple[int, int, int]:
         """Whole blocks (as the engine allocates) at the reserve levels 1, 0 and -1."""
-        b = max(block_size, 1)
+        worst, expected, low, _ = self.sized(block_size)
+        return worst, expected, low
 
-        def whole(tokens: float) -> int:
-            return max(0, math.ceil(tokens / b - 1e-9))
-
+    def sized(self, block_size: int) -> tuple[int, int, int, int]:
+        """`blocks` and `variance` at once (the request path asks for both, per replica)."""
+        memo = self._sized
+        if memo is not None and memo[0] == block_size:
+            return memo[1]
+        b = block_size if block_size > 1 else 1
         p = self.prompt_tokens
-        return (
-            whole(p + self.max_tokens),
-            whole(p + self.expected_tokens),
-            whole(p + self.expected_tokens - self.spread_tokens),
+        e = self.expected_tokens
+        spread = self.spread_tokens
+        answer = (
+            _whole_blocks(p + self.max_tokens, b),
+            _whole_blocks(p + e, b),
+            _whole_blocks(p + e - spread, b),
+            round((spread / b) ** 2 * 100),
         )
+        object.__setattr__(self, "_sized", (block_size, answer))
+        return answer
+
+
+def _whole_blocks(tokens: float, block_size: int) -> int:
+    n = math.ceil(tokens / block_size - 1e-9)
+    return n if n > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,21 +347,37 @@ class Reservations:
     variance: int = 0  # sum of the spreads squared, hundredths of blocks squared
 
     def add(self, d: Demand, block_size: int, sign: int = 1) -> Reservations:
-        worst, expected, low = d.blocks(block_size)
-        counts = list(self.by_priority)
-        p = max(d.priority, 0)
-        if len(counts) <= p:
-            counts.extend([0] * (p + 1 - len(counts)))
-        counts[p] = max(0, counts[p] + sign)
-        while counts and counts[-1] == 0:
-            counts.pop()
+        worst, expected, low, variance = d.sized(block_size)
+        p = d.priority if d.priority > 0 else 0
+        counts = self.by_priority
+        if sign > 0:
+            # Adding only grows the sums: no clamping, and the common case (a priority
+            # already counted) is one tuple rebuilt.
+            if p < len(counts):
+                counts = (*counts[:p], counts[p] + 1, *counts[p + 1 :])
+            else:
+                counts = (*counts, *(0,) * (p - len(counts)), 1)
+            return Reservations(
+                self.requests + 1,
+                self.worst_blocks + worst,
+                self.expected_blocks + expected,
+                self.low_blocks + low,
+                counts,
+                self.variance + variance,
+            )
+        listed = list(counts)
+        if len(listed) <= p:
+            listed.extend([0] * (p + 1 - len(listed)))
+        listed[p] = max(0, listed[p] + sign)
+        while listed and listed[-1] == 0:
+            listed.pop()
         return Reservations(
             max(0, self.requests + sign),
             max(0, self.worst_blocks + sign * worst),
             max(0, self.expected_blocks + sign * expected),
             max(0, self.low_blocks + sign * low),
-            tuple(counts),
-            max(0, self.variance + sign * d.variance(block_size)),
+            tuple(listed),
+            max(0, self.variance + sign * variance),
         )
 
     def remove(self, d: Demand, block_size: int) -> Reservations:
@@ -617,18 +652,23 @@ class ReplicaAdmission:
         # The request's own blocks added to the sums (no new Reservations: this runs for
         # every candidate replica of every request).
         block = load.kv_block_size or 16
-        worst, expected, low = demand.blocks(block)
+        worst, expected, low, own_var = demand.sized(block)
+        own = _at(level, worst, expected, low)
         wanted = (
             reserved.blocks_at(level)
-            + _at(level, worst, expected, low)
-            + _margin(level, cfg.spread_z, reserved.variance + demand.variance(block))
+            + own
+            + _margin(level, cfg.spread_z, reserved.variance + own_var)
         )
         if capacity is None:
             return Admit(wanted, math.inf)
-        top = reserved.top_priority()
-        p = max(demand.priority, 0)
+        p = demand.priority if demand.priority > 0 else 0
         # A tier with nothing in flight here is judged as the top one: never starved.
-        yields = 0 if top is None or reserved.count(p) == 0 else max(0, p - top)
+        counts = reserved.by_priority
+        yields = 0
+        if p < len(counts) and counts[p]:
+            top = reserved.top_priority()
+            if top is not None and p > top:
+                yields = p - top
         share = max(0.0, 1.0 - cfg.tier_step * yields)
         quota = min(max(quota, 0.0), 1.0)
         limit = capacity * cfg.kv_target * share * quota
@@ -638,8 +678,6 @@ class ReplicaAdmission:
             self._refused_at = now
             # How many of those in flight (of average size) must finish for this one to fit.
             n = reserved.requests
-            own = _at(level, worst, expected, low)
-            own_var = demand.variance(block)
             base, var = reserved.blocks_at(level), reserved.variance
             k = next(
                 (
@@ -709,6 +747,8 @@ class ReplicaAdmission:
 
 
 def _margin(reserve: float, spread_z: float, variance: float) -> float:
+    if not variance:
+        return 0.0
     return spread_z * math.sqrt(variance / 100) * (1.0 - min(max(reserve, 0.0), 1.0))
 
 

@@ -72,10 +72,10 @@ class ParsedRequest:
     content_type: str | None = None  # the client's, forwarded with the body
     constraints: tuple[Constraint, ...] = ()  # structured-output constraints it carries
     uploads: int = 0  # files in a multipart form
+    spec: RouteSpec = field(init=False, repr=False, compare=False)  # the route's rules
 
-    @property
-    def spec(self) -> RouteSpec:
-        return ROUTES[self.route]
+    def __post_init__(self) -> None:
+        self.spec = ROUTES[self.route]
 
     @property
     def dialect(self) -> Dialect:
