@@ -590,7 +590,11 @@ class _Handler(web.RequestHandler):
         self._door = door
         self._conn: Conn | None = None
         self._phase: Phase = "headers"
+        # One lazy timer for the header and body clocks (see `_arm`).
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when the pending timer fires (loop time)
+        self._deadline: float | None = None  # when the running clock expires
+        self._expired: Callable[[], None] | None = None  # what it does then
         self._request: web.BaseRequest | None = None
         # Each request passes the door before the application (an aiohttp middleware
         # did this at a few microseconds more per request: its wrapper per request).
@@ -641,7 +645,7 @@ class _Handler(web.RequestHandler):
         self._arm(door.settings.header_timeout_s, self._header_timeout)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
+        self._stop_timer()
         self._phase = "closed"
         if self._conn is not None:
             self._door.table.remove(self._conn)
@@ -742,16 +746,46 @@ class _Handler(web.RequestHandler):
     # -- timers and closing -------------------------------------------------------------
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(delay_s, callback)
+        """Start a clock. Lazily: a timer handle cost more per request than everything else
+        the door does (uvloop makes one per `call_later` and closes it on `cancel`), so
+        a pending timer that fires no later than the new deadline is kept, and when it
+        fires it re-arms for what is left. On a busy kept-alive connection that is one
+        timer per `header_timeout_s`, not two per request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay_s
+        self._deadline, self._expired = deadline, callback
+        timer = self._timer
+        if timer is not None:
+            if self._timer_at <= deadline:
+                return
+            timer.cancel()
+        self._timer_at = deadline
+        self._timer = loop.call_at(deadline, self._fire)
 
     def _disarm(self) -> None:
+        """Stop the clock (the pending timer, if any, finds nothing to do)."""
+        self._deadline = self._expired = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        deadline, expired = self._deadline, self._expired
+        if deadline is None or expired is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._fire)
+            return
+        self._deadline = self._expired = None
+        expired()
+
+    def _stop_timer(self) -> None:
+        self._disarm()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _header_timeout(self) -> None:
-        self._timer = None
         if self._phase != "headers":
             return
         self._door.metrics.timeouts.labels("header").inc()
@@ -765,7 +799,6 @@ class _Handler(web.RequestHandler):
         )
 
     def _body_timeout(self) -> None:
-        self._timer = None
         request = self._request
         if self._phase != "request" or request is None or request.content.is_eof():
             return

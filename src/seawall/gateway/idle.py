@@ -1,26 +1,137 @@
-"""The inter-token and total timeouts of a stream that has started, checked lazily.
+"""The timeouts of one request on the request path: its wait for a first token (`Expiry`)
+and, once its stream has started, the inter-token and total deadlines (`IdleDeadline`),
+all kept on one coarse timer wheel per event loop (`Wheel`).
+
+Why a wheel. A timer handle per deadline is what `asyncio.timeout` and `call_later` give,
+and on uvloop each one is a libuv timer that is started, stopped and closed; with two or
+three per request those handles were 25 us of the gateway's CPU per request (cProfile,
+2-token streams), more than everything admission does. Nearly every deadline is cleared
+long before it is due (a first token comes in milliseconds against a 30 s budget), so
+the wheel makes setting and clearing one a set insertion and removal, and runs one loop
+timer for the earliest deadline still set. The price is resolution: a deadline fires up
+to `TICK_S` late.
 
 Re-arming a timer on every chunk (asyncio.timeout's `reschedule`) cost 8-12% of the
 gateway's CPU on the relay path. Instead a chunk only records when it arrived, and one
-timer per idle period checks, when it fires, whether the stream really was idle: if a
-chunk came meanwhile, it re-arms for the rest of the idle window. Expiry cancels the
-relaying task exactly as asyncio.timeout does, and `expired()` turns that cancellation
-back into a timeout of the right kind (a client disconnect stays a cancellation).
+deadline per idle period checks, when it fires, whether the stream really was idle: if
+a chunk came meanwhile, it is set again for the rest of the idle window. Expiry cancels
+the relaying task exactly as asyncio.timeout does, and `expired()` turns that
+cancellation back into a timeout of the right kind (a client disconnect stays a
+cancellation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
+import weakref
+from collections.abc import Callable
 
 from seawall import clock
 from seawall.policy.deadline import TimeoutKind, Wait, idle_check
 
+# Deadlines fire at most this late (and never early).
+TICK_S = 0.01
+
+
+class _Entry:
+    """One deadline on the wheel: `fire` is called once it is due, unless cleared first."""
+
+    __slots__ = ("bucket", "fire")
+
+    def __init__(self, fire: Callable[[], None]) -> None:
+        self.fire = fire
+        self.bucket: int | None = None  # the wheel's bucket while set
+
+
+class Wheel:
+    """Deadlines bucketed by `TICK_S`; one loop timer, at the earliest bucket still set."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, now: Callable[[], float] = clock.monotonic
+    ) -> None:
+        self._loop = loop
+        self._now = now  # tests pass their own time
+        self._buckets: dict[int, set[_Entry]] = {}
+        self._heap: list[int] = []  # bucket numbers, some of them emptied since
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_bucket: int | None = None
+
+    @staticmethod
+    def of(loop: asyncio.AbstractEventLoop) -> Wheel:
+        wheel = _WHEELS.get(loop)
+        if wheel is None:
+            wheel = _WHEELS[loop] = Wheel(loop)
+        return wheel
+
+    def set(self, entry: _Entry, when: float) -> None:
+        """Fire `entry` at the monotonic `when` (rounded up to the next tick)."""
+        if entry.bucket is not None:
+            self.clear(entry)
+        b = math.ceil(when / TICK_S)
+        bucket = self._buckets.get(b)
+        if bucket is None:
+            bucket = self._buckets[b] = set()
+            heapq.heappush(self._heap, b)
+        bucket.add(entry)
+        entry.bucket = b
+        if self._timer_bucket is None or b < self._timer_bucket:
+            self._arm(b)
+
+    def clear(self, entry: _Entry) -> None:
+        b = entry.bucket
+        if b is None:
+            return
+        entry.bucket = None
+        bucket = self._buckets.get(b)
+        if bucket is not None:
+            bucket.discard(entry)
+            if not bucket:
+                del self._buckets[b]  # its heap entry is dropped when the heap reaches it
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._buckets.values())
+
+    @property
+    def next_tick(self) -> float | None:
+        """When the loop timer is set to fire (None: nothing set)."""
+        return None if self._timer_bucket is None else self._timer_bucket * TICK_S
+
+    def _arm(self, b: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_bucket = b
+        delay = b * TICK_S - self._now()
+        self._timer = self._loop.call_later(max(delay, 0.0), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = self._timer_bucket = None
+        now = self._now()
+        heap, buckets = self._heap, self._buckets
+        due: list[_Entry] = []
+        while heap and heap[0] * TICK_S <= now:
+            bucket = buckets.pop(heapq.heappop(heap), None)
+            if bucket:
+                due.extend(bucket)
+        while heap and heap[0] not in buckets:
+            heapq.heappop(heap)  # emptied before it was due
+        if heap:
+            self._arm(heap[0])
+        for entry in due:
+            entry.bucket = None
+            entry.fire()  # may set it again (an idle deadline with chunks since)
+
+
+_WHEELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = weakref.WeakKeyDictionary()
+
 
 class IdleDeadline:
-    __slots__ = ("_cancelling", "_deadline", "_handle", "_itl_s", "_loop", "_task", "fired", "last")
+    __slots__ = (
+        "_cancelling", "_deadline", "_entry", "_itl_s", "_task", "_wheel", "fired", "last"
+    )  # fmt: skip
 
     def __init__(self, itl_s: float, deadline: float, last: float) -> None:
-        self._loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         self._task = task
@@ -29,12 +140,19 @@ class IdleDeadline:
         self._deadline = deadline  # monotonic
         self.last = last  # monotonic time of the last chunk: the only per-chunk write
         self.fired: TimeoutKind | None = None
-        self._handle = self._loop.call_later(0.0, self._check)
+        self._wheel = Wheel.of(task.get_loop())
+        self._entry = _Entry(self._check)
+        # Set for the first moment a timeout could expire (now, when one already has: the
+        # task is never cancelled from here, only from the wheel, as a timer would).
+        now = clock.monotonic()
+        verdict = idle_check(now, last, deadline, itl_s)
+        self._wheel.set(self._entry, now + verdict.seconds if isinstance(verdict, Wait) else now)
 
     def _check(self) -> None:
-        verdict = idle_check(clock.monotonic(), self.last, self._deadline, self._itl_s)
+        now = clock.monotonic()
+        verdict = idle_check(now, self.last, self._deadline, self._itl_s)
         if isinstance(verdict, Wait):
-            self._handle = self._loop.call_later(verdict.seconds, self._check)
+            self._wheel.set(self._entry, now + verdict.seconds)
             return
         self.fired = verdict
         self._task.cancel()
@@ -46,5 +164,42 @@ class IdleDeadline:
             return self.fired
         return None
 
+    def within(self, seconds: float) -> None:
+        """Bring the total deadline forward to at most `seconds` from now."""
+        deadline = clock.monotonic() + seconds
+        if deadline < self._deadline:
+            self._deadline = deadline
+            self._wheel.set(self._entry, deadline)
+
     def close(self) -> None:
-        self._handle.cancel()
+        self._wheel.clear(self._entry)
+
+
+class Expiry:
+    """Cancel the current task after `seconds` unless closed first; after a CancelledError,
+    `expired()` says whether this expiry caused it (and undoes the cancellation), as
+    `asyncio.timeout` does, so a client that left at the same moment stays a
+    cancellation. Use: `e = Expiry(s)`, then `try: ... except CancelledError: if
+    e.expired(): <timed out>; raise` and `finally: e.close()`."""
+
+    __slots__ = ("_cancelling", "_entry", "_task", "_wheel", "fired")
+
+    def __init__(self, seconds: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.fired = False
+        self._wheel = Wheel.of(task.get_loop())
+        self._entry = _Entry(self._fire)
+        self._wheel.set(self._entry, clock.monotonic() + seconds)
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        return self.fired and self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._wheel.clear(self._entry)

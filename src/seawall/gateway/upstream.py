@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from seawall import clock
 from seawall.gateway.h1 import ConnectFailed, H1Connection, H1Pool, Sink
+from seawall.gateway.idle import Expiry
 from seawall.gateway.outcomes import Attempt, Failure
 from seawall.gateway.replicas import Replica
 from seawall.protocol.openai import ParsedRequest
@@ -202,58 +203,58 @@ async def open_attempt(
     """
     started = clock.monotonic()
     conn: H1Connection | None = None
+    expiry = Expiry(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
-            headers = upstream_headers(replica, request_id, trace, req.content_type)
-            conn = await pool.request(replica.endpoint, path, headers, body)
-            if conn.status != 200:
-                raise await _http_failure(conn)
-            if not req.stream:
-                data = await conn.read_all()
-                now = clock.monotonic()
-                return Opened(replica, conn, [], SSEBuffer(), data, started, now)
-            sse = SSEBuffer()
-            classify = CLASSIFY[req.dialect]
-            head: list[Event] = []
-            while True:
-                chunk = await conn.read()
-                if not chunk:
-                    raise _failed(Attempt.reset, "upstream closed before the first token")
-                got_token = False
-                # Every complete event of this read goes into the head, including those
-                # after the first token: a short answer can arrive whole in one read.
-                for raw in sse.feed(chunk):
-                    ev = classify(raw)
-                    if ev.kind is Kind.ERROR and not got_token:
-                        raise _failed(Attempt.error_event, _error_message(ev), status=502)
-                    if ev.kind is Kind.ABORT and not got_token:
-                        # vLLM shutting down (abort mode) answers with an empty abort.
-                        raise _failed(Attempt.aborted, "upstream aborted the request")
-                    head.append(ev)
-                    if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
-                        got_token = True
-                if got_token:
-                    return Opened(replica, conn, head, sse, None, started, clock.monotonic())
+        headers = upstream_headers(replica, request_id, trace, req.content_type)
+        conn = await pool.request(replica.endpoint, path, headers, body)
+        if conn.status != 200:
+            raise await _http_failure(conn)
+        if not req.stream:
+            data = await conn.read_all()
+            now = clock.monotonic()
+            return Opened(replica, conn, [], SSEBuffer(), data, started, now)
+        sse = SSEBuffer()
+        classify = CLASSIFY[req.dialect]
+        head: list[Event] = []
+        while True:
+            chunk = await conn.read()
+            if not chunk:
+                raise _failed(Attempt.reset, "upstream closed before the first token")
+            got_token = False
+            # Every complete event of this read goes into the head, including those
+            # after the first token: a short answer can arrive whole in one read.
+            for raw in sse.feed(chunk):
+                ev = classify(raw)
+                if ev.kind is Kind.ERROR and not got_token:
+                    raise _failed(Attempt.error_event, _error_message(ev), status=502)
+                if ev.kind is Kind.ABORT and not got_token:
+                    # vLLM shutting down (abort mode) answers with an empty abort.
+                    raise _failed(Attempt.aborted, "upstream aborted the request")
+                head.append(ev)
+                if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
+                    got_token = True
+            if got_token:
+                return Opened(replica, conn, head, sse, None, started, clock.monotonic())
     except AttemptFailed:
         if conn is not None:
             conn.release()  # reused when the error's body was read to its end
         raise
-    except TimeoutError:
-        if conn is not None:
-            conn.close()
-        raise _failed(timeout_outcome, f"no first token within {timeout_s:.3g}s") from None
     except ConnectFailed as e:
         raise _failed(Attempt.connect_error, f"cannot connect to {replica.id}: {e}") from None
     except ConnectionError as e:
         if conn is not None:
             conn.close()
         raise _failed(Attempt.reset, f"{replica.id}: {type(e).__name__}: {e}") from None
-    except BaseException:
-        # Cancelled (client left, hedge lost, shutdown): close the connection so the
-        # engine sees the disconnect and aborts the request at once.
+    except BaseException as e:
+        # Timed out, or cancelled (client left, hedge lost, shutdown): close the connection
+        # so the engine sees the disconnect and aborts the request at once.
         if conn is not None:
             conn.close()
+        if isinstance(e, asyncio.CancelledError) and expiry.expired():
+            raise _failed(timeout_outcome, f"no first token within {timeout_s:.3g}s") from None
         raise
+    finally:
+        expiry.close()
 
 
 async def _http_failure(conn: H1Connection) -> AttemptFailed:
