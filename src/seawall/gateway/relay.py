@@ -62,6 +62,9 @@ from seawall.protocol.sse import (
 _TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
 
 _CLIENT_LEFT = "client_left"
+# How long a stream whose answer has ended (`[DONE]`) waits for its upstream's response to
+# end before the client is given the end anyway (and the upstream connection is closed).
+DONE_GRACE_S = 1.0
 
 
 class ClientLeft(ConnectionResetError):
@@ -237,6 +240,11 @@ class Relay:
                     watch.see(out)  # a terminal event may begin after the head's events
                 done = any(e.terminal for e in opened.head)
                 end = StreamEnd.done if done else None
+            if end is StreamEnd.done:
+                # A whole answer in the head: headers, answer and terminating chunk go out
+                # in one write (`_relay`).
+                st.last = out
+                return end
             # Puts the headers on the wire, with the head when it has bytes (one write).
             await resp.write(out)
             if end is not None:
@@ -264,12 +272,16 @@ class Relay:
         except asyncio.CancelledError:
             kind = timer.expired()
             if kind is not None:
+                if feed.end is StreamEnd.done:
+                    return feed.end  # the answer was whole; its response never ended
                 self.metrics.timeouts.labels(kind).inc()
                 return StreamEnd(f"{kind}_timeout")
             if _uncancel_cut(ctx):
                 return StreamEnd.gateway_draining
             raise
         except BrokenResponse as e:
+            if feed.end is StreamEnd.done:
+                return feed.end  # the answer was whole; the connection broke after it
             ctx.error = str(e)
             return StreamEnd.upstream_reset
         finally:
@@ -520,22 +532,43 @@ class _Feed:
         return self.watch.done
 
     def feed(self, data: bytes) -> bool:
-        if self.end is not None:
+        """Once per read from the replica (OpenAI chunks): `_arrived` and `_send` written
+        out in place, since this runs for every token of every stream."""
+        if self.end is not None or not data:
             return True
-        self._arrived()
-        self.ctx.stream.events += data.count(b"data:")
+        now = clock.monotonic()
+        timer = self.timer
+        gap = now - timer.last
+        timer.last = now
+        self._itl.observe(gap)
+        replica = self.replica
+        replica.observe_itl(gap)
+        replica.chunks_relayed += 1
+        st = self.ctx.stream
+        st.events += data.count(b"data:")
         end: StreamEnd | None = None
         if self._filter:
             out, end = self._relay._filter(self.ctx, self._sse.feed(data))
             if out:
                 self.tail = out[-_TAIL:]
+            if end is not None or not out:
+                return self._send(out, end)
         else:
             out = data
             joined = self.tail + data
             if ABORT_MARK in joined:
-                self.ctx.stream.aborted = True
-            self.tail = joined[-_TAIL:]
-        return self._send(out, end)
+                st.aborted = True
+            tail = self.tail = joined[-_TAIL:]
+            if self.conn.complete or tail.endswith(DONE_EVENT):
+                return self._send(out, StreamEnd.done)
+        transport = self.transport
+        if transport.is_closing():
+            self.end = _CLIENT_LEFT
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
+        if self._client.writing_paused:
+            self.conn.pause()
+        return True
 
     def feed_marked(self, data: bytes) -> bool:
         """`feed` for the Responses and Anthropic dialects, whose end is an event of their
@@ -553,6 +586,8 @@ class _Feed:
         else:
             out = data
             watch.see(data)
+            if self.conn.complete or watch.done:
+                end = StreamEnd.done
         return self._send(out, end)
 
     def _arrived(self) -> None:
@@ -568,24 +603,30 @@ class _Feed:
         replica.chunks_relayed += 1
 
     def _send(self, out: bytes, end: StreamEnd | None) -> bool:
-        """Write `out` to the client as one HTTP chunk; False ends the relay. The bytes
-        that end a stream wait for the relay's coroutine, which writes them with the
-        response's terminating chunk (a short stream's write count is most of its cost)."""
+        """Write `out` to the client as one HTTP chunk; False ends the relay.
+
+        The bytes that end a stream (`[DONE]`, or whatever the upstream's response ended
+        with) are held, and the relay's coroutine writes them with the response's
+        terminating chunk once the upstream's response has ended, usually in the same
+        read or the next: one write, and a client that closes as soon as it reads
+        `[DONE]` (SDKs do) never finds the handler still running, which counted complete
+        streams as clients that left. An upstream that never ends its response after
+        `[DONE]` is given `DONE_GRACE_S`."""
+        if end is StreamEnd.done:
+            self.ctx.stream.last = out
+            self.end = end
+            if not self.conn.complete:
+                self.timer.within(DONE_GRACE_S)
+            return True
         if out:
             transport = self.transport
             if transport.is_closing():
                 self.end = _CLIENT_LEFT
                 return False
-            if end is StreamEnd.done and self.conn.complete:
-                self.ctx.stream.last = out
-            else:
-                transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
-                if self._client.writing_paused:
-                    self.conn.pause()
+            transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
+            if self._client.writing_paused:
+                self.conn.pause()
         if end is not None:
             self.end = end
-            if end is StreamEnd.done:
-                # Keep the connection for reuse when the response's end came in this read.
-                return self.conn.complete
             return False
         return True
