@@ -24,7 +24,7 @@ from prometheus_client import (
 )
 from prometheus_client.samples import Sample
 
-from seawall.fastmetrics import FastHistogram
+from seawall.fastmetrics import Children, FastHistogram
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, StreamEnd
 
 # Seconds. TTFT through a gateway is the engine's TTFT plus the hop, so the buckets
@@ -141,14 +141,14 @@ class Metrics:
             ["model", "route", "status"],
             registry=r,
         )
-        self.ttft = Histogram(
+        # Observed once per request (ttft, e2e) or per chunk (itl): the lock-free kind.
+        self.ttft = FastHistogram(
             TTFT,
             "Time to first token as the client sees it through the gateway.",
             ["model"],
-            buckets=TTFT_BUCKETS_S,
-            registry=r,
+            TTFT_BUCKETS_S,
+            r,
         )
-        # Observed on every chunk: the lock-free kind (see fastmetrics.py).
         self.itl = FastHistogram(
             ITL,
             "Gap between consecutive streamed chunks relayed to the client.",
@@ -156,12 +156,12 @@ class Metrics:
             ITL_BUCKETS_S,
             r,
         )
-        self.e2e = Histogram(
+        self.e2e = FastHistogram(
             E2E,
             "Whole request duration as the client sees it.",
             ["model"],
-            buckets=E2E_BUCKETS_S,
-            registry=r,
+            E2E_BUCKETS_S,
+            r,
         )
         self.inflight = Gauge(
             INFLIGHT,
@@ -184,6 +184,9 @@ class Metrics:
             ["replica", "outcome"],
             registry=r,
         )
+        # The request path's per-request increments, without `labels()` each time.
+        self.requests_of: Children[Counter] = Children(self.requests)
+        self.attempts_of: Children[Counter] = Children(self.upstream_attempts)
         self.retries = Counter(
             RETRIES[: -len("_total")],
             "Retries on another replica before the first token, by cause.",
@@ -420,6 +423,7 @@ class Metrics:
             family.remove(replica_id)
         for outcome in _label_values(self.upstream_attempts, "replica", replica_id, "outcome"):
             self.upstream_attempts.remove(replica_id, outcome)
+        self.attempts_of.clear()
 
     def record_shed(self, tenant: str, tier: str, reason: str, latency_s: float) -> None:
         """A request refused at the door, and how long refusing it took."""

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from seawall.policy.balance import pick, replica_cost
+from seawall.policy.balance import draw_two, pick, replica_cost
 
 
 def test_empty_gives_none_and_one_gives_that_one() -> None:
@@ -34,21 +34,21 @@ def test_cheap_replica_wins_whenever_it_is_drawn(n: int, seed: int) -> None:
     # Replica 0 is idle, the rest are heavily loaded: any draw containing 0 returns 0,
     # and the two draws are distinct, so the expensive pair never beats it.
     cost = {0: replica_cost(0, 1.0, 0.1)} | {i: replica_cost(50, 1.0, 0.9) for i in range(1, n)}
-    rng = random.Random(seed)
-    drawn: list[int] = []
-
-    class Spy(random.Random):
-        def sample(self, population, k, *, counts=None):  # type: ignore[no-untyped-def,override]
-            out = rng.sample(population, k)
-            drawn.extend(out)
-            return out
-
-    choice = pick(list(range(n)), cost.__getitem__, Spy())
-    assert len(set(drawn)) == 2
+    drawn = draw_two(n, random.Random(seed))  # the pair `pick` draws from the same seed
+    choice = pick(list(range(n)), cost.__getitem__, random.Random(seed))
+    assert len(set(drawn)) == 2 and all(0 <= i < n for i in drawn)
     if 0 in drawn:
         assert choice == 0
     else:
         assert choice in drawn
+
+
+def test_every_ordered_pair_is_drawn_about_equally_often() -> None:
+    rng = random.Random(3)
+    counts = Counter(draw_two(4, rng) for _ in range(24_000))
+    assert set(counts) == {(i, j) for i in range(4) for j in range(4) if i != j}
+    # Expected 2000 each; 5 standard deviations is about 215.
+    assert all(1785 <= c <= 2215 for c in counts.values()), counts
 
 
 def test_two_candidates_the_cheaper_always_wins() -> None:

@@ -44,8 +44,16 @@ class ModelCatalog:
         return None
 
     def max_model_len(self, public: str) -> int | None:
-        cap = (self.card(public) or {}).get("max_model_len")
-        return cap if isinstance(cap, int) and cap > 0 else None
+        """`card(public)["max_model_len"]`, asked once per request: read in place, with
+        no list of replicas and no alias's card copied."""
+        cards = self.cards
+        for r in self.replicas:
+            if r.model is not None and (r.model_name or r.model) == public:
+                card = cards.get(r.model)
+                if card is not None:
+                    cap = card.get("max_model_len")
+                    return cap if isinstance(cap, int) and cap > 0 else None
+        return None
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Learn each replica's served model (and its card), for as long as it runs."""

@@ -66,6 +66,7 @@ class RequestCtx:
     started: float  # monotonic
     timeouts: Timeouts
     req: ParsedRequest | None = None
+    model_known: bool = False  # the fleet served the request's model when it arrived
     tenant: str = "default"
     tier: str = DEFAULT_TIER
     priority: int = 0  # the tier's: 0 is served first under contention

@@ -223,7 +223,7 @@ class Dispatcher:
         except BaseException:
             hold.release()
             outcome = Attempt.hedge_lost if leg is not None and leg.lost else Attempt.cancelled
-            self.metrics.upstream_attempts.labels(replica.id, outcome.value).inc()
+            self.metrics.attempts_of(replica.id, outcome.value).inc()
             if span is not None:
                 span.end(outcome.value, failed=False)
             raise
@@ -243,12 +243,12 @@ class Dispatcher:
 
     def _attempt_ok(self, ctx: RequestCtx, opened: Opened) -> None:
         replica = opened.replica
-        self.metrics.upstream_attempts.labels(replica.id, Attempt.ok.value).inc()
+        self.metrics.attempts_of(replica.id, Attempt.ok.value).inc()
         replica.observe_ttft(opened.first_token_at - opened.opened_at)
 
     def _attempt_failed(self, replica: Replica, f: Failure) -> None:
         now = clock.monotonic()
-        self.metrics.upstream_attempts.labels(replica.id, f.outcome.value).inc()
+        self.metrics.attempts_of(replica.id, f.outcome.value).inc()
         if f.outcome in (Attempt.ttft_timeout, Attempt.total_timeout):
             self.metrics.timeouts.labels(f.outcome.value.removesuffix("_timeout")).inc()
         if f.outcome is Attempt.connect_error:

@@ -141,9 +141,8 @@ class Proxy:
 
     def _finish(self, ctx: RequestCtx) -> None:
         elapsed = clock.monotonic() - ctx.started
-        served = bool(ctx.model) and self.replicas.serves(ctx.model)
-        label = ctx.model if served else OTHER_MODEL
-        self.metrics.requests.labels(label, ctx.route, str(ctx.status)).inc()
+        label = ctx.model if ctx.model_known else OTHER_MODEL
+        self.metrics.requests_of(label, ctx.route, str(ctx.status)).inc()
         if ctx.status == 200:
             self.metrics.e2e.labels(label).observe(elapsed)
         if self.access_log or ctx.span is not None:

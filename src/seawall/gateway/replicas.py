@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from seawall import clock
@@ -152,12 +152,19 @@ class ReplicaSet:
     def all(self) -> list[Replica]:
         return list(self._replicas.values())
 
+    def __iter__(self) -> Iterator[Replica]:
+        """The replicas in place (no copy: do not add or remove while iterating)."""
+        return iter(self._replicas.values())
+
     def models(self) -> list[str]:
         """The public names (what clients ask for and `/v1/models` lists)."""
         return sorted({name for r in self._replicas.values() if (name := r.public)})
 
     def serves(self, model: str) -> bool:
-        return any(r.public == model for r in self._replicas.values())
+        for r in self._replicas.values():  # noqa: SIM110 (per request: no generator)
+            if (r.model_name or r.model) == model:
+                return True
+        return False
 
     def view(self, replica: Replica, snap: FleetSnapshot) -> ReplicaView:
         return snap.replicas.get(replica.id, _ALWAYS_ROUTABLE)

@@ -89,6 +89,7 @@ def admission_stack(
                 param="model",
                 code="model_not_found",
             )
+        ctx.model_known = True
 
     async def tier_limits(request: web.Request, ctx: RequestCtx) -> None:
         await tenancy.tier_limits(ctx)

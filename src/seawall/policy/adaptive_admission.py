@@ -198,7 +198,11 @@ def length_class(max_tokens: int) -> str:
     """Requests are learned apart by the power of two their `max_tokens` rounds up to: a
     1-token probe and a 1,000-token generation from the same tenant are different
     populations, and one mean over both would describe neither."""
-    return f"<={1 << max(0, max_tokens - 1).bit_length()}"
+    bits = (max_tokens - 1).bit_length() if max_tokens > 1 else 0
+    return _CLASS_NAMES[bits] if bits < len(_CLASS_NAMES) else f"<={1 << bits}"
+
+
+_CLASS_NAMES = tuple(f"<={1 << bits}" for bits in range(64))  # asked for on every request
 
 
 class OutputLengths:
@@ -364,6 +368,23 @@ class Reservations:
                 self.low_blocks + low,
                 counts,
                 self.variance + variance,
+            )
+        if p < len(counts) and counts[p] > 0 and self.requests > 0:
+            # The common removal: a request that was added. The sums only shrink, and
+            # stay at or above zero (clamped, so a double removal cannot go negative).
+            if p == len(counts) - 1 and counts[p] == 1:
+                shrunk = counts[:p]
+                while shrunk and shrunk[-1] == 0:
+                    shrunk = shrunk[:-1]
+            else:
+                shrunk = (*counts[:p], counts[p] - 1, *counts[p + 1 :])
+            return Reservations(
+                self.requests - 1,
+                max(0, self.worst_blocks - worst),
+                max(0, self.expected_blocks - expected),
+                max(0, self.low_blocks - low),
+                shrunk,
+                max(0, self.variance - variance),
             )
         listed = list(counts)
         if len(listed) <= p:
@@ -642,25 +663,41 @@ class ReplicaAdmission:
         now: float,
         quota: float = 1.0,
     ) -> Admit | Hold:
-        """May `demand` go to this replica now? `reserved` excludes it."""
+        """May `demand` go to this replica now? `reserved` excludes it.
+
+        Runs for every candidate replica of every request: the arithmetic of `_at`,
+        `_margin` and `effective_level` is written out here rather than called."""
         cfg = self.config
         age = now - load.scraped_at
         if age > cfg.metrics_max_age_s:
             return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now))
-        capacity = _capacity_blocks(load)
-        level = self.effective_level(load, now)
-        # The request's own blocks added to the sums (no new Reservations: this runs for
-        # every candidate replica of every request).
+        level = self.level
+        if age > cfg.fresh_s:
+            aged = (age - cfg.fresh_s) / (cfg.metrics_max_age_s - cfg.fresh_s)
+            level = max(level, min(1.0, aged))
+        # The request's own blocks added to the sums (no new Reservations).
         block = load.kv_block_size or 16
         worst, expected, low, own_var = demand.sized(block)
-        own = _at(level, worst, expected, low)
-        wanted = (
-            reserved.blocks_at(level)
-            + own
-            + _margin(level, cfg.spread_z, reserved.variance + own_var)
-        )
-        if capacity is None:
+        if level >= 0:
+            at = min(level, 1.0)
+            own = expected + at * (worst - expected)
+            base = reserved.expected_blocks + at * (
+                reserved.worst_blocks - reserved.expected_blocks
+            )
+            fade = 1.0 - at
+        else:
+            at = max(level, -1.0)
+            own = expected + at * (expected - low)
+            base = reserved.expected_blocks + at * (reserved.expected_blocks - reserved.low_blocks)
+            fade = 1.0
+        variance = reserved.variance + own_var
+        wanted = base + own
+        if variance:
+            wanted += cfg.spread_z * math.sqrt(variance / 100) * fade
+        tokens = load.kv_capacity_tokens
+        if not tokens:
             return Admit(wanted, math.inf)
+        capacity = tokens / (block if block > 1 else 1)
         p = demand.priority if demand.priority > 0 else 0
         # A tier with nothing in flight here is judged as the top one: never starved.
         counts = reserved.by_priority
@@ -669,8 +706,11 @@ class ReplicaAdmission:
             top = reserved.top_priority()
             if top is not None and p > top:
                 yields = p - top
-        share = max(0.0, 1.0 - cfg.tier_step * yields)
-        quota = min(max(quota, 0.0), 1.0)
+        share = 1.0 - cfg.tier_step * yields if yields else 1.0
+        if share < 0.0:
+            share = 0.0
+        if not 0.0 <= quota <= 1.0:
+            quota = min(max(quota, 0.0), 1.0)
         limit = capacity * cfg.kv_target * share * quota
         if reserved.requests == 0 and quota >= 1.0:
             return Admit(wanted, limit)  # alone: the engine queues what does not fit
@@ -699,7 +739,10 @@ class ReplicaAdmission:
             )
         kv = load.kv_usage
         if kv is not None:
-            predicted = kv + max(self._kv_slope, 0.0) * (max(age, 0.0) + cfg.lookahead_s)
+            slope = self._kv_slope
+            predicted = (
+                kv + slope * ((age if age > 0.0 else 0.0) + cfg.lookahead_s) if slope > 0.0 else kv
+            )
             high = cfg.kv_high - cfg.tier_step * yields
             if predicted >= high:
                 used_per_request = kv * capacity / max(load.running or reserved.requests, 1)

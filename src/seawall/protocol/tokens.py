@@ -103,6 +103,7 @@ class HFTokenizerCounter:
 # An optional space then ASCII letters: one "word" piece, as byte-level BPE pre-tokenizers
 # (GPT-2, Llama 3, Qwen) and the emulator split text.
 _ASCII_WORD = re.compile(r" ?[A-Za-z]+")
+_CEIL_THIRDS = tuple((n + 2) // 3 for n in range(256))  # a word piece of n bytes costs this
 
 
 class EstimateCounter:
@@ -141,10 +142,16 @@ class EstimateCounter:
     def count_text(self, text: str) -> int:
         if not text:
             return 0
-        # Counted without a per-character Python loop: only the word pieces are visited.
-        words = _ASCII_WORD.findall(text)
-        word_tokens = sum((len(w) + 2) // 3 for w in words)
-        word_chars = sum(map(len, words))
+        # Counted without a per-character Python loop: only the word pieces are visited,
+        # each by a table lookup of its length.
+        lengths = list(map(len, _ASCII_WORD.findall(text)))
+        try:
+            word_tokens = sum(map(_CEIL_THIRDS.__getitem__, lengths))
+        except IndexError:  # a word longer than the table
+            word_tokens = sum((n + 2) // 3 for n in lengths)
+        word_chars = sum(lengths)
+        if text.isascii():
+            return word_tokens + len(text) - word_chars
         ascii_chars = len(text.encode("ascii", "ignore"))
         non_ascii_chars = len(text) - ascii_chars
         non_ascii_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
