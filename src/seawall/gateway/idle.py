@@ -45,6 +45,10 @@ class _Entry:
         self.bucket: int | None = None  # the wheel's bucket while set
 
 
+_WHEELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = weakref.WeakKeyDictionary()
+_last: Wheel | None = None  # the wheel asked for last (it keeps its loop alive until replaced)
+
+
 class Wheel:
     """Deadlines bucketed by `TICK_S`; one loop timer, at the earliest bucket still set."""
 
@@ -60,9 +64,14 @@ class Wheel:
 
     @staticmethod
     def of(loop: asyncio.AbstractEventLoop) -> Wheel:
+        global _last
+        wheel = _last
+        if wheel is not None and wheel._loop is loop:
+            return wheel  # a process runs one loop: no weak-reference lookup per request
         wheel = _WHEELS.get(loop)
         if wheel is None:
             wheel = _WHEELS[loop] = Wheel(loop)
+        _last = wheel
         return wheel
 
     def set(self, entry: _Entry, when: float) -> None:
@@ -121,9 +130,6 @@ class Wheel:
         for entry in due:
             entry.bucket = None
             entry.fire()  # may set it again (an idle deadline with chunks since)
-
-
-_WHEELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = weakref.WeakKeyDictionary()
 
 
 class IdleDeadline:

@@ -40,13 +40,14 @@ from seawall.policy.pools import (
     route_order,
     step,
 )
+from seawall.values import frozen
 
 log = logging.getLogger("seawall.pools")
 
 HISTORY = 50  # pool events kept for the admin API
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Reach:
     """Where a request may go now: the candidates of the pool that keeps it."""
 

@@ -136,6 +136,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from seawall.policy.load import EngineLoad
+from seawall.values import frozen
 
 # ----------------------------------------------------------------------------- config
 
@@ -177,7 +178,7 @@ class ControlConfig:
 # ----------------------------------------------------------------------------- lengths
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LengthEstimate:
     expected_tokens: float
     spread_tokens: float  # standard deviation
@@ -279,7 +280,7 @@ class OutputLengths:
 # ----------------------------------------------------------------------------- demand
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Demand:
     """What one request may use: tokens, before the replica's block size is known."""
 
@@ -338,7 +339,7 @@ def _whole_blocks(tokens: float, block_size: int) -> int:
     return n if n > 0 else 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Reservations:
     """The sums for one replica: everything `decide` needs, and nothing per request, so a
     shared store can hold them (five integer counters and a small per-priority count)."""
@@ -441,13 +442,13 @@ class HoldKind(StrEnum):
     near_full = "near_full"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Admit:
     reserved_blocks: float  # this request included, at the reserve level used
     limit_blocks: float
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Hold:
     kind: HoldKind
     reason: str

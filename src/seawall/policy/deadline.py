@@ -8,13 +8,14 @@ is cut short by the total deadline is a `total` timeout, not a `ttft` or `itl` o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
+
+from seawall.values import frozen
 
 TimeoutKind = Literal["ttft", "itl", "total"]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Wait:
     seconds: float  # >= 0
     kind: TimeoutKind  # which timeout fires if nothing arrives within `seconds`

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from seawall.policy.token_bucket import TokenBucket
+from seawall.values import frozen
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +50,14 @@ class TierLimits:
             raise ValueError("max_tokens_mode must be 'reject' or 'clamp'")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Accept:
     """Forward the request with this `max_tokens` (the default filled in, or clamped)."""
 
     max_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Reject:
     """Refuse with an OpenAI-style error: `status`, `message`, `param`, `code`."""
 

@@ -29,11 +29,12 @@ stream cut inside its terminal event, or before it, never counts as done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
 import orjson
+
+from seawall.values import frozen
 
 DONE_EVENT = b"data: [DONE]\n\n"
 # vLLM's compact chunk JSON, as a byte pattern the raw relay can look for cheaply.
@@ -81,7 +82,7 @@ class Kind(Enum):
     COMMENT = "comment"  # ": keep-alive", Anthropic's ping and other non-data events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Event:
     kind: Kind
     raw: bytes

@@ -45,7 +45,6 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +53,7 @@ import orjson
 from seawall.errors import ApiError, bad_request
 from seawall.protocol.openai import ParsedRequest
 from seawall.protocol.routes import Count
+from seawall.values import frozen
 
 
 class TokenCounter(Protocol):
@@ -236,7 +236,7 @@ def check_prompt_bytes(body_bytes: int, limit_bytes: int | None) -> ApiError | N
 # -------------------------------------------------------------------------- the count
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PromptCount:
     """What a request will cost the engine, before it is sent."""
 
