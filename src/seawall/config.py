@@ -385,11 +385,18 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     lowest_priority_to_queue: Annotated[int, Field(ge=0)] = 0
     # A request refused this many times for a saturated fleet (the same tenant sending
-    # the same body again) waits in the queue the next time, whatever its tier, instead
-    # of being refused again, and fresh requests of its tier do not overtake it: clients
-    # already served cannot keep the room to themselves (policy.admission.Refusals).
-    # 0: every refusal is final.
+    # the same body again) takes its turn ahead of fresh requests of its tier, so that
+    # clients already served cannot keep the room to themselves (policy.admission).
+    # How, by `turns`: `hold` (the default) refuses it again with a Retry-After but holds
+    # the room that frees for it until it comes back (or, unseen for its Retry-After, at
+    # most queue_timeout_s, + `turn_grace_s`, it is taken to have given up), so it
+    # starts at once and nothing
+    # waits in the gateway; `queue` makes its next attempt wait in the queue (within
+    # queue_max and queue_timeout_s), for clients that stop retrying early (the OpenAI
+    # SDKs retry twice). 0: every refusal is final, and nobody takes turns.
     queue_after_refusals: Annotated[int, Field(ge=0)] = 2
+    turns: Literal["hold", "queue"] = "hold"
+    turn_grace_s: Annotated[float, Field(gt=0)] = 1.0
     tokenizers: dict[str, str] = Field(default_factory=dict)  # model -> tokenizer.json
 
     def thresholds(self) -> AdmissionThresholds:

@@ -8,6 +8,7 @@ can take them, so the engines never preempt and every request still completes.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,65 @@ def test_n_choices_count_as_that_many_sequences_against_inflight_max(artifacts: 
     assert sequences == 6
     # each sequence waited in the engine at most a step or two for its batch slot
     assert queued_s < 6 * 0.1, queued_s
+
+
+def test_under_overload_clients_take_turns_without_waiting_in_the_gateway(
+    artifacts: Path,
+) -> None:
+    """Issue 17's TTFT goal with taking turns (`admission.turns: hold`, the default): a
+    shed tier's clients that were refused twice are owed a turn, and the room a completion
+    frees is held for them, so every closed-loop client is served, nothing waits in the
+    gateway's queue (a wait there is time to first token), and no engine preempts."""
+    sim = start_sim(artifacts, *SIM_ARGS, name="s0")
+    port = free_port()
+    gw = start_gateway(
+        artifacts,
+        [sim],
+        {
+            "tiers": {"default": {"priority": 1}},  # above lowest_priority_to_queue: shed
+            "admin": {"enabled": True, "port": port, "token_hash": hash_key(TOKEN)},
+            "fleet": {"scrape_interval_s": 0.25, "deep_probe_idle_interval_s": 30},
+        },
+    )
+    clients, seconds = 9, 8.0  # three times what the cache holds
+    served = [0] * clients
+    held: list[str] = []
+    depth = [0.0]
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        deadline = time.monotonic() + seconds
+        with httpx.Client(timeout=60) as http:
+            for _ in range(1000):
+                if time.monotonic() >= deadline:
+                    return
+                r = http.post(gw.url + "/v1/completions", json={**BODY, "prompt": f"{i} " * 40})
+                if r.status_code == 429:
+                    message = r.json()["error"]["message"]
+                    if "held for requests refused before" in message:
+                        held.append(message)
+                    time.sleep(min(float(r.headers["Retry-After"]), 0.2))
+                    continue
+                assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+                served[i] += 1
+
+    def sample() -> None:
+        while not stop.is_set():
+            depth[0] = max(depth[0], metric_sum(scrape(gw.url), "seawall_admission_queue_depth"))
+            stop.wait(0.05)
+
+    with running(gw, sim):
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=seconds + 60)
+        stop.set()
+        sampler.join(timeout=10)
+        preemptions = metric_sum(scrape(sim.url), "vllm:num_preemptions_total")
+    assert all(n >= 1 for n in served), f"clients never served: {served}"
+    assert depth[0] == 0, "a request waited in the gateway's queue"
+    assert held, "no fresh request was refused for a turn held for another"
+    assert preemptions == 0

@@ -1,6 +1,7 @@
-"""Taking turns under overload (policy.admission.Refusals, FleetAdmission.admit): a
-request refused twice waits its turn, and a fresh request of its tier does not take the
-room ahead of it. No sockets: one replica whose KV the test fills through the in-flight
+"""Taking turns under overload (policy.admission.Refusals and Turns, FleetAdmission.admit):
+a request refused twice takes its turn, held for it (`turns: hold`) or in the queue
+(`turns: queue`), and a fresh request of its tier does not take the room ahead of it.
+No sockets: one replica whose KV the test fills through the in-flight
 ledger, fleet admission called as the gateway calls it, time passed in where the policy
 takes it."""
 
@@ -20,7 +21,7 @@ from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.inflight import Hold, InFlight
 from seawall.gateway.replicas import Replica, ReplicaSet
 from seawall.metrics import Metrics
-from seawall.policy.admission import Refusals
+from seawall.policy.admission import Refusals, Turns
 from seawall.protocol.openai import parse
 
 MODEL = "m"
@@ -75,7 +76,7 @@ class Fleet:
         view = ReplicaView("r0", "", MODEL, "n0", load=load)
         snap = FleetSnapshot({"r0": view}, clock.monotonic())
         self.replicas.snapshot = lambda: snap
-        cfg = {"mode": "reserve", "queue_timeout_s": 5.0, **admission}
+        cfg = {"mode": "reserve", "queue_timeout_s": 5.0, "turns": "queue", **admission}
         self.admission = FleetAdmission(
             AdmissionConfig.model_validate(cfg), self.replicas, Metrics()
         )
@@ -147,3 +148,62 @@ async def test_a_tier_that_queues_still_queues_at_its_first_refusal() -> None:
     assert fleet.admission.queue.depth(MODEL) == 1
     fleet.holds.pop(0).release()
     assert await asyncio.wait_for(waiting, 5) == 200
+
+
+# -- turns held, not connections (`turns: hold`, the default) ---------------------------
+
+
+def test_a_turn_is_owed_until_it_lapses_or_is_taken_and_blocks_only_its_tier_and_worse() -> None:
+    t = Turns(max_entries=2)
+    assert not t.owed_ahead("m", 5, 0.0) and len(t) == 0
+    t.grant("a", "m", 1, until=2.0)
+    assert t.holds("a", 1.0) and not t.holds("b", 1.0)
+    assert t.owed_ahead("m", 1, 1.0) and t.owed_ahead("m", 2, 1.0)
+    assert not t.owed_ahead("m", 0, 1.0)  # a better tier is never held back
+    assert not t.owed_ahead("other", 1, 1.0)
+    t.grant("a", "m", 1, until=4.0)  # refused again: renewed, still one turn
+    assert len(t) == 1 and t.holds("a", 3.0)
+    t.take("a")
+    assert not t.holds("a", 3.0) and not t.owed_ahead("m", 1, 3.0)
+    t.grant("b", "m", 1, until=5.0)
+    assert not t.holds("b", 5.0) and not t.owed_ahead("m", 1, 5.0)  # lapsed: gave up
+    for key, until in (("x", 10.0), ("y", 11.0), ("z", 12.0)):
+        t.grant(key, "m", 1, until)
+    assert len(t) == 2 and not t.holds("x", 6.0)  # bounded: the oldest went first
+
+
+async def test_held_the_room_waits_for_the_request_refused_twice_and_it_starts_at_once() -> None:
+    fleet = Fleet(turns="hold")  # priority 1 is shed at once (lowest_priority_to_queue 0)
+    assert await fleet.admit("patient") == 429
+    assert await fleet.admit("patient") == 429  # refused twice: owed a turn
+    # Nothing has ended: it is refused again, at once, rather than waiting in the gateway.
+    assert await fleet.admit("patient") == 429
+    assert fleet.admission.queue.depth(MODEL) == 0
+    # A request ends, and a closed-loop client sends its next one at once: the room it
+    # freed is held for the request that was refused first.
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("incumbent's next") == 429
+    assert await fleet.admit("another fresh one") == 429
+    started = clock.monotonic()
+    assert await fleet.admit("patient") == 200  # it comes back and starts at once
+    assert clock.monotonic() - started < 0.1
+    # Its turn is used: a fresh request may take the next room.
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("incumbent's next") == 200
+
+
+async def test_a_turn_whose_client_gave_up_holds_the_room_only_until_it_lapses(
+    monkeypatch: Any,
+) -> None:
+    fleet = Fleet(turns="hold", turn_grace_s=0.5)
+    now = [clock.monotonic()]
+    monkeypatch.setattr(clock, "monotonic", lambda: now[0])
+    for _ in range(2):
+        assert await fleet.admit("gone") == 429
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("fresh") == 429  # held for "gone"
+    # Its Retry-After (held at most queue_timeout_s, 5 s) and the grace pass unseen.
+    now[0] += 5.4
+    assert await fleet.admit("fresh") == 429
+    now[0] += 0.2
+    assert await fleet.admit("fresh") == 200

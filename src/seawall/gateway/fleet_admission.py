@@ -46,6 +46,7 @@ from seawall.policy.adaptive_admission import OutputLengths
 from seawall.policy.admission import (
     Queue,
     Refusals,
+    Turns,
     estimated_drain_s,
     kv_reservation_full,
     on_fleet_saturated,
@@ -102,8 +103,12 @@ class FleetAdmission:
         self.grants: Grants | None = None
         self._queued: dict[str, Counter[int]] = {}  # model -> reserve tokens -> waiting
         self._refused: deque[tuple[float, str, int]] = deque(maxlen=4096)
-        # Requests refused lately, by tenant and body: taking turns (policy/admission.py).
+        # Requests refused lately, by tenant and body: taking turns (policy/admission.py),
+        # held for them (`turns: hold`) or in the queue (`turns: queue`).
         self._refusals = Refusals(config.queue_after_refusals)
+        self._turns: Turns | None = (
+            Turns() if config.turns == "hold" and config.queue_after_refusals > 0 else None
+        )
         if config.enabled:
             replicas.saturation = self.saturation
 
@@ -152,15 +157,25 @@ class FleetAdmission:
             return  # nothing usable at all: the dispatcher answers 503
         cfg = self.config
         refusals = self._refusals
+        turns = self._turns
         # Room now, unless a better tier waits, or (for a tier that is shed rather than
-        # queued) a request of its own tier that was refused before waits its turn.
+        # queued) a request of its own tier that was refused before waits its turn, in
+        # the queue or (`turns: hold`) away until its Retry-After.
         ahead = queue.better_waiting(model, ctx.priority) or (
             ctx.priority > cfg.lowest_priority_to_queue
             and queue.waiting_at_or_above(model, ctx.priority)
         )
+        key: bytes | None = None
+        mine = False
+        if turns is not None and len(turns):
+            key = self._key(ctx)
+            mine = turns.holds(key, now)
+            ahead = ahead or (not mine and turns.owed_ahead(model, ctx.priority, now))
         if free and not ahead:
             if len(refusals):
-                refusals.served(self._key(ctx))
+                refusals.served(key or self._key(ctx))
+            if mine and turns is not None and key is not None:
+                turns.take(key)
             return
         depth = queue.depth(model)
         decision = on_fleet_saturated(
@@ -171,7 +186,8 @@ class FleetAdmission:
             self.completions_per_s(now),
         )
         if (
-            not isinstance(decision, Queue)
+            turns is None
+            and not isinstance(decision, Queue)
             and depth < cfg.queue_max
             and len(refusals)
             and refusals.patient(self._key(ctx), now)
@@ -189,11 +205,26 @@ class FleetAdmission:
         if not isinstance(decision, Queue):
             self.shed(ctx, "fleet_saturated")
             self._refused.append((now, model, int(need)))
-            refusals.refused(self._key(ctx), now)
+            key = key or self._key(ctx)
+            refused = refusals.refused(key, now)
             retry_after = decision.retry_after_s
             if self.control is not None:  # the replicas' own drain, when it can tell
                 ids = [r.id for r in saturated]
                 retry_after = self.control.retry_after_s(ids, need, now) or retry_after
+            if turns is not None and refused >= refusals.patience:
+                # Owed a turn: the room that frees is held for it until it comes back.
+                # At most `queue_timeout_s` (and the grace): the longest anything waits for
+                # room in the gateway, and a client that gave up holds no room longer.
+                hold = min(retry_after, cfg.queue_timeout_s) + cfg.turn_grace_s
+                turns.grant(key, model, ctx.priority, now + hold)
+            if free:  # there was room, held for requests refused before this one
+                raise rate_limited(
+                    f"The room on the replicas serving `{model}` is held for requests "
+                    "refused before this one (they take turns); retry after the indicated "
+                    "time.",
+                    retry_after,
+                    code="fleet_saturated",
+                )
             raise rate_limited(
                 f"Every replica serving `{model}` is saturated; "
                 + (decision.reason or "retry after the indicated time."),
