@@ -89,9 +89,14 @@ def test_a_stream_cut_mid_way_is_dropped_not_ok() -> None:
 
 
 def gateway(
-    ok: int = 0, failed: int = 0, dropped: int = 0, migrated: int = 0, retries: int = 0
+    ok: int = 0,
+    failed: int = 0,
+    dropped: int = 0,
+    migrated: int = 0,
+    retries: int = 0,
+    resets: int = 0,
 ) -> GatewayFigures:
-    return GatewayFigures(ok, failed, dropped, 0, None, retries, migrated)
+    return GatewayFigures(ok, failed, dropped, 0, None, retries, migrated, resets={"r1": resets})
 
 
 def test_a_crash_whose_streams_all_migrated() -> None:
@@ -106,15 +111,27 @@ def test_a_crash_whose_streams_all_migrated() -> None:
 
 def test_a_crash_without_migration_drops_the_streams_and_retries_the_rest() -> None:
     crash = Crash("r1", in_flight=4, streaming=3, before=gateway(ok=10))
-    out = crash_outcome(crash, gateway(ok=11, dropped=3, retries=1))
+    out = crash_outcome(crash, gateway(ok=11, dropped=3, retries=1, resets=1))
+    assert (out.in_flight, out.streaming) == (4, 3)
     assert (out.migrated, out.retried, out.failed) == (0, 1, 3)
 
 
+def test_what_the_crash_cut_is_counted_after_it_not_sampled_before() -> None:
+    """Sampled as the crash was sent: two streams. One ended before the crash landed
+    (its [DONE] was already on the way), and a request sent meanwhile was cut before its
+    first token. The report once said "1 not in the counts" for the first and called
+    the second's retry a stream's; it counts what the crash cut."""
+    crash = Crash("r1", in_flight=2, streaming=2, before=gateway(ok=10, retries=3))
+    out = crash_outcome(crash, gateway(ok=13, migrated=1, retries=4, resets=1))
+    assert (out.in_flight, out.streaming, out.migrated, out.retried) == (2, 1, 1, 1)
+    assert (out.failed, out.unaccounted) == (0, 0)
+
+
 def test_a_crash_report_credits_only_what_a_counter_saw() -> None:
-    """Retries are the gateway's retry counter, not what is left over: a request the
-    counts do not explain is reported as such."""
+    """Retries are the gateway's retry counter, not what is left over: an attempt cut
+    before its first token that no retry or failure explains is reported as such."""
     crash = Crash("r1", in_flight=4, streaming=2, before=gateway(ok=10, retries=7))
-    out = crash_outcome(crash, gateway(ok=12, migrated=2, retries=8))
+    out = crash_outcome(crash, gateway(ok=12, migrated=2, retries=8, resets=2))
     assert (out.migrated, out.retried, out.failed, out.unaccounted) == (2, 1, 0, 1)
     assert out.text() == (
         "crash of r1 with 4 request(s) in flight (2 streaming): 2 migrated, 1 retried, "
@@ -122,10 +139,12 @@ def test_a_crash_report_credits_only_what_a_counter_saw() -> None:
     )
 
 
-def test_a_crash_report_never_counts_more_than_was_in_flight() -> None:
+def test_a_crash_report_charges_every_failure_since_to_the_crash() -> None:
+    """Retries of requests that were never on the crashed replica (refused connections
+    to it, other trouble) are not credited; failures anywhere are charged to it."""
     crash = Crash("r1", in_flight=2, streaming=2, before=gateway())
-    out = crash_outcome(crash, gateway(failed=5, migrated=4))  # other trouble too
-    assert (out.migrated, out.retried, out.failed) == (0, 0, 2)
+    out = crash_outcome(crash, gateway(failed=5, migrated=4, retries=9))
+    assert (out.in_flight, out.migrated, out.retried, out.failed) == (4, 0, 0, 4)
 
 
 def test_several_gateways_counts_add_up() -> None:
