@@ -63,6 +63,15 @@ def sims(artifacts: Path) -> Iterator[list[Proc]]:
             s.stop()
 
 
+def _granted_everywhere(instance: Instance) -> bool:
+    """Whether `instance` holds a grant of KV on every replica (the leader's split)."""
+    quota = instance.state()["cluster"]["quota"]
+    grants = [r["grant"] for r in quota["replicas"].values()]
+    return bool(grants) and all(
+        g and g["kv_blocks"] and g["kv_blocks"]["grant"] > 0 for g in grants
+    )
+
+
 def _attempts(instance: Instance, replica: str) -> float:
     return metric_sum(scrape(instance.url), "seawall_upstream_attempts_total", replica=replica)
 
@@ -149,6 +158,13 @@ def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     survivors = [i for i in instances if i is not leader]
     for gw in instances:
         wait_until(lambda gw=gw: all(r["routable"] for r in gw.state()["replicas"]), 15)
+    # Until the leader has divided the replicas among all three. Before that, the leader
+    # (alone when it started) holds every replica's whole KV: killed then, its grants
+    # stay counted as in use for `2 * member_ttl_s` after the new leader takes over (it
+    # cannot tell a dead instance from a cut-off one), and nothing is admitted meanwhile.
+    # That start-up window is a known limit; this test is about the fail-over itself.
+    for gw in instances:
+        wait_until(lambda gw=gw: _granted_everywhere(gw), 15, what=f"{gw.name}'s grants")
 
     # Streams of ~6 s (600 tokens at the sim's 10 ms a step) through both survivors.
     results: list[dict[str, Any]] = []
@@ -159,10 +175,10 @@ def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     ]
     for t in threads:
         t.start()
+    # Each survivor's own count (a replica's `requests_in_flight` is the fleet's, peers
+    # included, so summing it over the survivors would count every stream twice).
     wait_until(
-        lambda: (
-            sum(r["requests_in_flight"] for gw in survivors for r in gw.state()["replicas"]) >= 6
-        ),
+        lambda: all(gw.state()["inflight"] >= 3 for gw in survivors),
         10,
         what="the streams in flight",
     )
