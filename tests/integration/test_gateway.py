@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.cut_upstream import CutUpstream
 from tests.support.fleet import (
     MODEL,
     metric_sum,
@@ -173,6 +174,31 @@ def test_replica_killed_before_first_token_is_retried_elsewhere(
         # Requests waiting on r0 when it died were retried (not failed) on r1.
         assert metric_sum(m, "seawall_retries_total") >= 1
         assert metric_sum(m, "seawall_upstream_attempts_total", replica="r0", outcome="ok") == 0
+
+
+def test_a_stream_whose_upstream_response_ends_before_done_is_dropped_not_served(
+    artifacts: Path,
+) -> None:
+    """An upstream body that ends cleanly without `[DONE]` (a proxy that gave up on the
+    stream): the client gets the error event and the gateway counts a dropped stream.
+    The relay once took the end of the upstream's response as the end of the answer."""
+    with CutUpstream(MODEL, tokens=3) as upstream:
+        gw = start_gateway(
+            artifacts, [], {"replicas": [{"url": upstream.url, "id": "r0", "model": MODEL}]}
+        )
+        with running(gw):
+            r = httpx.post(
+                gw.url + "/v1/completions",
+                timeout=20,
+                json={**COMPLETION, "stream": True, "max_tokens": 50},
+            )
+            assert r.status_code == 200
+            events = sse_events(r.content)
+            assert sum(1 for e in events if b'"text"' in e) == 3  # the tokens came through
+            error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+            assert error["code"] == "upstream_closed"
+            m = scrape(gw.url)
+            assert metric_sum(m, "seawall_stream_errors_total", reason="upstream_closed") == 1
 
 
 def test_replica_killed_mid_stream_ends_the_stream_cleanly_without_retry(

@@ -532,18 +532,10 @@ class _Feed:
         return self.watch.done
 
     def feed(self, data: bytes) -> bool:
-        """Once per read from the replica (OpenAI chunks): `_arrived` and `_send` written
-        out in place, since this runs for every token of every stream."""
+        """Once per read from the replica (OpenAI chunks)."""
         if self.end is not None or not data:
             return True
-        now = clock.monotonic()
-        timer = self.timer
-        gap = now - timer.last
-        timer.last = now
-        self._itl.observe(gap)
-        replica = self.replica
-        replica.observe_itl(gap)
-        replica.chunks_relayed += 1
+        self._arrived()
         st = self.ctx.stream
         st.events += data.count(b"data:")
         end: StreamEnd | None = None
@@ -551,24 +543,15 @@ class _Feed:
             out, end = self._relay._filter(self.ctx, self._sse.feed(data))
             if out:
                 self.tail = out[-_TAIL:]
-            if end is not None or not out:
-                return self._send(out, end)
         else:
             out = data
             joined = self.tail + data
             if ABORT_MARK in joined:
                 st.aborted = True
-            tail = self.tail = joined[-_TAIL:]
-            if self.conn.complete or tail.endswith(DONE_EVENT):
-                return self._send(out, StreamEnd.done)
-        transport = self.transport
-        if transport.is_closing():
-            self.end = _CLIENT_LEFT
-            return False
-        transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._framed else out)
-        if self._client.writing_paused:
-            self.conn.pause()
-        return True
+            if (tail := joined[-_TAIL:]).endswith(DONE_EVENT):
+                end = StreamEnd.done  # a body that ends without it: `_pump` says how
+            self.tail = tail
+        return self._send(out, end)
 
     def feed_marked(self, data: bytes) -> bool:
         """`feed` for the Responses and Anthropic dialects, whose end is an event of their
@@ -586,7 +569,7 @@ class _Feed:
         else:
             out = data
             watch.see(data)
-            if self.conn.complete or watch.done:
+            if watch.done:
                 end = StreamEnd.done
         return self._send(out, end)
 

@@ -1,0 +1,91 @@
+"""An OpenAI-compatible upstream whose streams end their HTTP response cleanly, before
+`data: [DONE]`: a test double, because no engine here does that on purpose. A proxy or
+load balancer between the gateway and the engine that gives up on a stream does (it
+ends the chunked body it was relaying), as does any upstream that delimits its body by
+closing the connection and then dies. The gateway must call such a stream dropped, not
+served.
+
+`/health` and `/v1/models` answer as vLLM's do; a non-streaming completion (the deep
+probe) answers whole; a streamed one sends `tokens` chunks and ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from aiohttp import web
+
+
+class CutUpstream:
+    def __init__(self, model: str, tokens: int = 3) -> None:
+        self.model = model
+        self.tokens = tokens
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> CutUpstream:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
+
+    def _chunk(self, text: str) -> dict[str, object]:
+        return {
+            "id": "cmpl-cut",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+        }
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            whole = self._chunk(" ok")
+            whole["choices"][0]["finish_reason"] = "length"  # type: ignore[index]
+            whole["usage"] = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return web.json_response(whole)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = [
+            f"data: {json.dumps(self._chunk(f' t{i}'))}\n\n".encode() for i in range(self.tokens)
+        ]
+        for event in events[:-1]:
+            await resp.write(event)
+            await asyncio.sleep(0.01)
+        # The last token and the body's end in one write (one read at the gateway), and
+        # no [DONE].
+        await resp.write_eof(events[-1])
+        return resp
