@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from seawall.gateway.idle import TICK_S, Wheel, _Entry
+from seawall.gateway.idle import TICK_S, Entry, Wheel
 
 
 class Clock:
@@ -27,8 +27,8 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def entry(fired: list[str], name: str) -> _Entry:
-    return _Entry(lambda: fired.append(name))
+def entry(fired: list[str], name: str) -> Entry:
+    return Entry(lambda: fired.append(name))
 
 
 def test_a_deadline_fires_once_due_never_before_and_within_a_tick(
@@ -79,7 +79,7 @@ def test_an_earlier_deadline_moves_the_timer_and_a_fired_entry_can_be_set_again(
     now = Clock()
     wheel = Wheel(loop, now)
     fired: list[float] = []
-    again = _Entry(lambda: None)
+    again = Entry(lambda: None)
 
     def idle_check() -> None:  # as IdleDeadline does when chunks came meanwhile
         fired.append(now.t)
@@ -87,7 +87,7 @@ def test_an_earlier_deadline_moves_the_timer_and_a_fired_entry_can_be_set_again(
             wheel.set(again, now.t + 1.0)
 
     again.fire = idle_check
-    wheel.set(_Entry(lambda: None), now.t + 30.0)
+    wheel.set(Entry(lambda: None), now.t + 30.0)
     wheel.set(again, now.t + 1.0)
     assert wheel.next_tick == pytest.approx(1001.0)
     for _ in range(3):

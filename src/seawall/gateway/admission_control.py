@@ -174,17 +174,11 @@ class AdmissionControl:
         tokens with no estimate. `in_flight`: the ledger's count of attempts open there
         (fewer than this gateway has bound means some were released). `quota`: this
         gateway's share of the replica."""
-        r = self._replicas.get(replica_id) or self._replica(replica_id)
+        r = self._replica(replica_id)
         if len(r.bound) > in_flight:
             self._purge(replica_id, r, now)
-        if r.load is not load:  # the same scrape comes back as the same object
-            self._observe(replica_id, r, load, now)
-        demand = (
-            need_tokens.ticket.demand
-            if type(need_tokens) is ReserveTokens
-            else _demand_of(need_tokens)
-        )
-        decision = r.controller.decide(demand, r.reserved, load, now, quota)
+        self._observe(replica_id, r, load, now)
+        decision = r.controller.decide(_demand_of(need_tokens), r.reserved, load, now, quota)
         if isinstance(decision, Admit):
             return None
         return decision.reason

@@ -37,22 +37,25 @@ class ModelCatalog:
     def card(self, public: str) -> dict[str, Any] | None:
         """The engine's card for a public model name, under that name (an alias's card is
         its served model's, with `id` the alias; vLLM's `root` still names the weights)."""
-        for r in self.replicas.all():
-            if r.public == public and r.model is not None and r.model in self.cards:
-                card = self.cards[r.model]
-                return card if r.model == public else {**card, "id": public}
-        return None
+        found = self._served_card(public)
+        if found is None:
+            return None
+        served, card = found
+        return card if served == public else {**card, "id": public}
 
     def max_model_len(self, public: str) -> int | None:
-        """`card(public)["max_model_len"]`, asked once per request: read in place, with
-        no list of replicas and no alias's card copied."""
-        cards = self.cards
+        """Asked once per request: read from the served model's card in place."""
+        found = self._served_card(public)
+        cap = found[1].get("max_model_len") if found is not None else None
+        return cap if isinstance(cap, int) and cap > 0 else None
+
+    def _served_card(self, public: str) -> tuple[str, dict[str, Any]] | None:
+        """(served model, its card) for a public name, from the first replica that has it."""
         for r in self.replicas:
-            if r.model is not None and (r.model_name or r.model) == public:
-                card = cards.get(r.model)
+            if r.public == public and r.model is not None:
+                card = self.cards.get(r.model)
                 if card is not None:
-                    cap = card.get("max_model_len")
-                    return cap if isinstance(cap, int) and cap > 0 else None
+                    return r.model, card
         return None
 
     async def run(self, session: aiohttp.ClientSession) -> None:

@@ -67,6 +67,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from seawall import clock
 from seawall.config import ServerConfig
 from seawall.errors import ApiError
+from seawall.gateway.idle import Entry, Wheel
 
 log = logging.getLogger("seawall.frontdoor")
 
@@ -590,11 +591,10 @@ class _Handler(web.RequestHandler):
         self._door = door
         self._conn: Conn | None = None
         self._phase: Phase = "headers"
-        # One lazy timer for the header and body clocks (see `_arm`).
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0  # when the pending timer fires (loop time)
-        self._deadline: float | None = None  # when the running clock expires
-        self._expired: Callable[[], None] | None = None  # what it does then
+        # The header and body clocks: one deadline on the loop's timer wheel (a timer
+        # handle per request cost more than everything else the door does).
+        self._clock = Entry(self._fire)
+        self._expired: Callable[[], None] | None = None  # what the running clock does
         self._request: web.BaseRequest | None = None
         # Each request passes the door before the application (an aiohttp middleware
         # did this at a few microseconds more per request: its wrapper per request).
@@ -645,7 +645,7 @@ class _Handler(web.RequestHandler):
         self._arm(door.settings.header_timeout_s, self._header_timeout)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._stop_timer()
+        self._disarm()
         self._phase = "closed"
         if self._conn is not None:
             self._door.table.remove(self._conn)
@@ -746,44 +746,19 @@ class _Handler(web.RequestHandler):
     # -- timers and closing -------------------------------------------------------------
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        """Start a clock. Lazily: a timer handle cost more per request than everything else
-        the door does (uvloop makes one per `call_later` and closes it on `cancel`), so
-        a pending timer that fires no later than the new deadline is kept, and when it
-        fires it re-arms for what is left. On a busy kept-alive connection that is one
-        timer per `header_timeout_s`, not two per request."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + delay_s
-        self._deadline, self._expired = deadline, callback
-        timer = self._timer
-        if timer is not None:
-            if self._timer_at <= deadline:
-                return
-            timer.cancel()
-        self._timer_at = deadline
-        self._timer = loop.call_at(deadline, self._fire)
+        """Start a clock: `callback` runs `delay_s` from now (up to a wheel tick late)."""
+        self._expired = callback
+        Wheel.of(asyncio.get_running_loop()).set(self._clock, clock.monotonic() + delay_s)
 
     def _disarm(self) -> None:
-        """Stop the clock (the pending timer, if any, finds nothing to do)."""
-        self._deadline = self._expired = None
+        self._expired = None
+        if self._clock.bucket is not None:
+            Wheel.of(asyncio.get_running_loop()).clear(self._clock)
 
     def _fire(self) -> None:
-        self._timer = None
-        deadline, expired = self._deadline, self._expired
-        if deadline is None or expired is None:
-            return
-        loop = asyncio.get_running_loop()
-        if loop.time() < deadline:
-            self._timer_at = deadline
-            self._timer = loop.call_at(deadline, self._fire)
-            return
-        self._deadline = self._expired = None
-        expired()
-
-    def _stop_timer(self) -> None:
-        self._disarm()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        expired, self._expired = self._expired, None
+        if expired is not None:
+            expired()
 
     def _header_timeout(self) -> None:
         if self._phase != "headers":

@@ -35,7 +35,7 @@ from seawall.policy.deadline import TimeoutKind, Wait, idle_check
 TICK_S = 0.01
 
 
-class _Entry:
+class Entry:
     """One deadline on the wheel: `fire` is called once it is due, unless cleared first."""
 
     __slots__ = ("bucket", "fire")
@@ -57,7 +57,7 @@ class Wheel:
     ) -> None:
         self._loop = loop
         self._now = now  # tests pass their own time
-        self._buckets: dict[int, set[_Entry]] = {}
+        self._buckets: dict[int, set[Entry]] = {}
         self._heap: list[int] = []  # bucket numbers, some of them emptied since
         self._timer: asyncio.TimerHandle | None = None
         self._timer_bucket: int | None = None
@@ -74,7 +74,7 @@ class Wheel:
         _last = wheel
         return wheel
 
-    def set(self, entry: _Entry, when: float) -> None:
+    def set(self, entry: Entry, when: float) -> None:
         """Fire `entry` at the monotonic `when` (rounded up to the next tick)."""
         if entry.bucket is not None:
             self.clear(entry)
@@ -88,7 +88,7 @@ class Wheel:
         if self._timer_bucket is None or b < self._timer_bucket:
             self._arm(b)
 
-    def clear(self, entry: _Entry) -> None:
+    def clear(self, entry: Entry) -> None:
         b = entry.bucket
         if b is None:
             return
@@ -118,7 +118,7 @@ class Wheel:
         self._timer = self._timer_bucket = None
         now = self._now()
         heap, buckets = self._heap, self._buckets
-        due: list[_Entry] = []
+        due: list[Entry] = []
         while heap and heap[0] * TICK_S <= now:
             bucket = buckets.pop(heapq.heappop(heap), None)
             if bucket:
@@ -147,7 +147,7 @@ class IdleDeadline:
         self.last = last  # monotonic time of the last chunk: the only per-chunk write
         self.fired: TimeoutKind | None = None
         self._wheel = Wheel.of(task.get_loop())
-        self._entry = _Entry(self._check)
+        self._entry = Entry(self._check)
         # Set for the first moment a timeout could expire (now, when one already has: the
         # task is never cancelled from here, only from the wheel, as a timer would).
         now = clock.monotonic()
@@ -197,7 +197,7 @@ class Expiry:
         self._cancelling = task.cancelling()
         self.fired = False
         self._wheel = Wheel.of(task.get_loop())
-        self._entry = _Entry(self._fire)
+        self._entry = Entry(self._fire)
         self._wheel.set(self._entry, clock.monotonic() + seconds)
 
     def _fire(self) -> None:

@@ -162,7 +162,7 @@ class ReplicaSet:
 
     def serves(self, model: str) -> bool:
         for r in self._replicas.values():  # noqa: SIM110 (per request: no generator)
-            if (r.model_name or r.model) == model:
+            if r.public == model:
                 return True
         return False
 

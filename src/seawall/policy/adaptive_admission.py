@@ -664,41 +664,25 @@ class ReplicaAdmission:
         now: float,
         quota: float = 1.0,
     ) -> Admit | Hold:
-        """May `demand` go to this replica now? `reserved` excludes it.
-
-        Runs for every candidate replica of every request: the arithmetic of `_at`,
-        `_margin` and `effective_level` is written out here rather than called."""
+        """May `demand` go to this replica now? `reserved` excludes it."""
         cfg = self.config
         age = now - load.scraped_at
         if age > cfg.metrics_max_age_s:
             return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now))
-        level = self.level
-        if age > cfg.fresh_s:
-            aged = (age - cfg.fresh_s) / (cfg.metrics_max_age_s - cfg.fresh_s)
-            level = max(level, min(1.0, aged))
-        # The request's own blocks added to the sums (no new Reservations).
+        capacity = _capacity_blocks(load)
+        level = self.effective_level(load, now)
+        # The request's own blocks added to the sums (no new Reservations: this runs for
+        # every candidate replica of every request).
         block = load.kv_block_size or 16
         worst, expected, low, own_var = demand.sized(block)
-        if level >= 0:
-            at = min(level, 1.0)
-            own = expected + at * (worst - expected)
-            base = reserved.expected_blocks + at * (
-                reserved.worst_blocks - reserved.expected_blocks
-            )
-            fade = 1.0 - at
-        else:
-            at = max(level, -1.0)
-            own = expected + at * (expected - low)
-            base = reserved.expected_blocks + at * (reserved.expected_blocks - reserved.low_blocks)
-            fade = 1.0
-        variance = reserved.variance + own_var
-        wanted = base + own
-        if variance:
-            wanted += cfg.spread_z * math.sqrt(variance / 100) * fade
-        tokens = load.kv_capacity_tokens
-        if not tokens:
+        own = _at(level, worst, expected, low)
+        wanted = (
+            reserved.blocks_at(level)
+            + own
+            + _margin(level, cfg.spread_z, reserved.variance + own_var)
+        )
+        if capacity is None:
             return Admit(wanted, math.inf)
-        capacity = tokens / (block if block > 1 else 1)
         p = demand.priority if demand.priority > 0 else 0
         # A tier with nothing in flight here is judged as the top one: never starved.
         counts = reserved.by_priority
@@ -707,11 +691,8 @@ class ReplicaAdmission:
             top = reserved.top_priority()
             if top is not None and p > top:
                 yields = p - top
-        share = 1.0 - cfg.tier_step * yields if yields else 1.0
-        if share < 0.0:
-            share = 0.0
-        if not 0.0 <= quota <= 1.0:
-            quota = min(max(quota, 0.0), 1.0)
+        share = max(0.0, 1.0 - cfg.tier_step * yields)
+        quota = min(max(quota, 0.0), 1.0)
         limit = capacity * cfg.kv_target * share * quota
         if reserved.requests == 0 and quota >= 1.0:
             return Admit(wanted, limit)  # alone: the engine queues what does not fit
@@ -740,10 +721,7 @@ class ReplicaAdmission:
             )
         kv = load.kv_usage
         if kv is not None:
-            slope = self._kv_slope
-            predicted = (
-                kv + slope * ((age if age > 0.0 else 0.0) + cfg.lookahead_s) if slope > 0.0 else kv
-            )
+            predicted = kv + max(self._kv_slope, 0.0) * (max(age, 0.0) + cfg.lookahead_s)
             high = cfg.kv_high - cfg.tier_step * yields
             if predicted >= high:
                 used_per_request = kv * capacity / max(load.running or reserved.requests, 1)

@@ -211,9 +211,9 @@ class Session:
             return  # no stream to save yet: a crash now would show nothing
         before = await self.fleet.figures() if gw is not None else None
         # Counted again after that scrape (the gateway serves it on this event loop, so
-        # its streams went on meanwhile): what is in flight when the crash is sent. A
-        # stream that ends between this read and the crash landing (the crash request's
-        # round trip, a millisecond or two) shows as "not in the counts".
+        # its streams went on meanwhile), for the "crashed ... with N in flight" line and
+        # so that a crash still finds a stream to cut. The report itself counts what the
+        # crash cut, after it (`crash_outcome`).
         if gw is not None:
             counts = gw.in_flight(victim.replica_id)
             if counts is not None and counts[1] == 0 and not force:
