@@ -31,6 +31,7 @@ from seawall.policy.leadership import failover_bound_s
 from tests.support.cluster import (
     AUTH,
     Instance,
+    granted_everywhere,
     leader_of,
     redis_cluster,
     start_instances,
@@ -61,15 +62,6 @@ def sims(artifacts: Path) -> Iterator[list[Proc]]:
     finally:
         for s in started:
             s.stop()
-
-
-def _granted_everywhere(instance: Instance) -> bool:
-    """Whether `instance` holds a grant of KV on every replica (the leader's split)."""
-    quota = instance.state()["cluster"]["quota"]
-    grants = [r["grant"] for r in quota["replicas"].values()]
-    return bool(grants) and all(
-        g and g["kv_blocks"] and g["kv_blocks"]["grant"] > 0 for g in grants
-    )
 
 
 def _attempts(instance: Instance, replica: str) -> float:
@@ -164,7 +156,7 @@ def test_sigkill_of_the_leader_gives_a_new_leader_in_time_and_no_dropped_stream(
     # cannot tell a dead instance from a cut-off one), and nothing is admitted meanwhile.
     # That start-up window is a known limit; this test is about the fail-over itself.
     for gw in instances:
-        wait_until(lambda gw=gw: _granted_everywhere(gw), 15, what=f"{gw.name}'s grants")
+        wait_until(lambda gw=gw: granted_everywhere(gw.state()), 15, what=f"{gw.name}'s grants")
 
     # Streams of ~6 s (600 tokens at the sim's 10 ms a step) through both survivors.
     results: list[dict[str, Any]] = []

@@ -35,7 +35,14 @@ import yaml
 from seawall.auth import hash_key
 from seawall.config import ClusterConfig
 from seawall.policy.leadership import failover_bound_s
-from tests.support.cluster import ADMIN_TOKEN, AUTH, FAST_FLEET, ReservationSampler, stream_events
+from tests.support.cluster import (
+    ADMIN_TOKEN,
+    AUTH,
+    FAST_FLEET,
+    ReservationSampler,
+    granted_everywhere,
+    stream_events,
+)
 from tests.support.counting_proxy import CountingProxy, counting_proxy
 from tests.support.fleet import MODEL, metric_sum, scrape, start_sim, wait_until
 from tests.support.procs import Proc, bound_port, seawall_argv, spawn, wait_http
@@ -254,6 +261,10 @@ def test_a_dead_worker_is_replaced_and_sigterm_drains_every_worker(
     leader = wait_for_one_leader(served, count=2)
     survivor = next(w for w in served.workers().values() if w["instance"] != leader["instance"])
     wait_until(lambda: all(routable(survivor).values()), 15, what="routable on the survivor")
+    for worker in served.workers().values():
+        wait_until(
+            lambda w=worker: granted_everywhere(worker_state(w)), 15, what="the leader's split"
+        )
 
     # Streams through the survivor (its own admin port is not the client port, so go
     # through the shared port and keep the ones the survivor took).

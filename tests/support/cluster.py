@@ -125,6 +125,18 @@ def start_instances(
     return [i.wait() for i in started]
 
 
+def granted_everywhere(state: dict[str, Any]) -> bool:
+    """Whether the instance whose admin `state` this is holds a grant of KV on every
+    replica (the leader's split). Before that its requests wait for one: a leader killed
+    before the split converged, or a test that starts its streams too soon, sees them
+    queue (README, "What stays exact with several instances")."""
+    quota = state["cluster"]["quota"]
+    grants = [r["grant"] for r in quota["replicas"].values()]
+    return bool(grants) and all(
+        g and g["kv_blocks"] and g["kv_blocks"]["grant"] > 0 for g in grants
+    )
+
+
 def redis_cluster(url: str, **overrides: Any) -> dict[str, Any]:
     return {"store": "redis", "redis_url": url, **overrides}
 
