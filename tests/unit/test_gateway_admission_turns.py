@@ -156,19 +156,19 @@ async def test_a_tier_that_queues_still_queues_at_its_first_refusal() -> None:
 def test_a_turn_is_owed_until_it_lapses_or_is_taken_and_blocks_only_its_tier_and_worse() -> None:
     t = Turns(max_entries=2)
     assert not t.owed_ahead("m", 5, 0.0) and len(t) == 0
-    t.grant("a", "m", 1, until=2.0)
+    t.grant("a", "m", 1, until=2.0, now=0.0)
     assert t.holds("a", 1.0) and not t.holds("b", 1.0)
     assert t.owed_ahead("m", 1, 1.0) and t.owed_ahead("m", 2, 1.0)
     assert not t.owed_ahead("m", 0, 1.0)  # a better tier is never held back
     assert not t.owed_ahead("other", 1, 1.0)
-    t.grant("a", "m", 1, until=4.0)  # refused again: renewed, still one turn
+    t.grant("a", "m", 1, until=4.0, now=3.0)  # refused again: renewed, still one turn
     assert len(t) == 1 and t.holds("a", 3.0)
     t.take("a")
     assert not t.holds("a", 3.0) and not t.owed_ahead("m", 1, 3.0)
-    t.grant("b", "m", 1, until=5.0)
+    t.grant("b", "m", 1, until=5.0, now=3.0)
     assert not t.holds("b", 5.0) and not t.owed_ahead("m", 1, 5.0)  # lapsed: gave up
     for key, until in (("x", 10.0), ("y", 11.0), ("z", 12.0)):
-        t.grant(key, "m", 1, until)
+        t.grant(key, "m", 1, until, now=6.0)
     assert len(t) == 2 and not t.holds("x", 6.0)  # bounded: the oldest went first
 
 
@@ -190,6 +190,44 @@ async def test_held_the_room_waits_for_the_request_refused_twice_and_it_starts_a
     # Its turn is used: a fresh request may take the next room.
     fleet.holds.pop(0).release()
     assert await fleet.admit("incumbent's next") == 200
+
+
+def test_the_oldest_turn_goes_first_once_it_is_overdue() -> None:
+    t = Turns()
+    for i, key in enumerate(("old", "mid", "new")):
+        t.grant(key, "m", 1, until=10.0 + i, now=float(i))
+    assert t.first_overdue("m", 1, 3.0, overdue_s=5.0) is None  # nobody waited that long
+    t.grant("old", "m", 1, until=20.0, now=8.0)  # refused again: keeps its place
+    assert t.first_overdue("m", 1, 8.0, overdue_s=5.0) == "old"
+    assert t.first_overdue("m", 0, 8.0, overdue_s=5.0) is None  # a better tier: not held
+    t.take("old")
+    assert t.first_overdue("m", 1, 8.0, overdue_s=5.0) == "mid"
+    assert t.first_overdue("m", 1, 11.5, overdue_s=5.0) == "new"  # "mid" lapsed at 11
+
+
+async def test_a_client_outrun_by_luckier_ones_gets_in_once_its_turn_is_overdue(
+    monkeypatch: Any,
+) -> None:
+    """The room that frees goes to whichever owed client comes back first, so one that
+    polls at unlucky moments could lose every time (the integration test starved one of
+    nine clients under CPU load). Owed for longer than `queue_timeout_s` (what a request
+    may wait in the gateway), its turn comes first."""
+    fleet = Fleet(turns="hold", queue_timeout_s=5.0, turn_grace_s=30.0)
+    now = [clock.monotonic()]
+    monkeypatch.setattr(clock, "monotonic", lambda: now[0])
+    for _ in range(2):
+        assert await fleet.admit("unlucky") == 429
+    for _ in range(2):
+        assert await fleet.admit("lucky") == 429
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("lucky") == 200  # back first: it takes the room
+    for _ in range(2):
+        assert await fleet.admit("lucky again") == 429  # owed too
+    now[0] += 6.0  # "unlucky" has now waited longer than queue_timeout_s
+    assert await fleet.admit("unlucky") == 429  # no room yet: refused, keeps its place
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("lucky again") == 429  # back first, but not the oldest
+    assert await fleet.admit("unlucky") == 200
 
 
 async def test_a_turn_whose_client_gave_up_holds_the_room_only_until_it_lapses(

@@ -171,6 +171,9 @@ class FleetAdmission:
             key = self._key(ctx)
             mine = turns.holds(key, now)
             ahead = ahead or (not mine and turns.owed_ahead(model, ctx.priority, now))
+            # A turn owed for longer than anything may wait in the gateway goes first.
+            first = turns.first_overdue(model, ctx.priority, now, cfg.queue_timeout_s)
+            ahead = ahead or (first is not None and first != key)
         if free and not ahead:
             if len(refusals):
                 refusals.served(key or self._key(ctx))
@@ -216,7 +219,7 @@ class FleetAdmission:
                 # At most `queue_timeout_s` (and the grace): the longest anything waits for
                 # room in the gateway, and a client that gave up holds no room longer.
                 hold = min(retry_after, cfg.queue_timeout_s) + cfg.turn_grace_s
-                turns.grant(key, model, ctx.priority, now + hold)
+                turns.grant(key, model, ctx.priority, now + hold, now)
             if free:  # there was room, held for requests refused before this one
                 raise rate_limited(
                     f"The room on the replicas serving `{model}` is held for requests "

@@ -67,6 +67,7 @@ the in-flight count and the measured completion rate.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -266,14 +267,21 @@ class Refusals:
 
 
 class Turns:
-    """Requests owed a turn (see the module doc), per model and priority. Bounded: a
-    turn lapses at its `until`, and past `max_entries` the oldest goes first."""
+    """Requests owed a turn (see the module doc), per model and priority, oldest first.
+    Bounded: a turn lapses at its `until`, and past `max_entries` the oldest goes first.
+
+    The room that frees goes to whichever owed request comes back first, unless a turn
+    has been owed for longer than the caller's `overdue_s`: then to the oldest such one
+    alone (`first_overdue`), so that no client is outrun for ever by others that poll at
+    luckier moments."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
-        # key -> (model, priority, until); renewed turns move to the end, and every turn
-        # is granted for the same hold, so the first entry lapses first.
-        self._owed: OrderedDict[Hashable, tuple[str, int, float]] = OrderedDict()
+        # key -> (model, priority, until, since); in the order first owed (a renewal
+        # keeps its place and `since`).
+        self._owed: OrderedDict[Hashable, tuple[str, int, float, float]] = OrderedDict()
+        self._lapses: list[tuple[float, int, Hashable]] = []  # (until, seq, key), some stale
+        self._seq = 0
         self._count: dict[tuple[str, int], int] = {}  # live turns per (model, priority)
 
     def __len__(self) -> int:
@@ -282,7 +290,7 @@ class Turns:
     def _drop(self, key: Hashable) -> None:
         entry = self._owed.pop(key, None)
         if entry is not None:
-            model, priority, _ = entry
+            model, priority, _, _ = entry
             n = self._count[(model, priority)] - 1
             if n:
                 self._count[(model, priority)] = n
@@ -290,20 +298,30 @@ class Turns:
                 del self._count[(model, priority)]
 
     def _expire(self, now: float) -> None:
-        owed = self._owed
-        while owed:
-            key, (_, _, until) = next(iter(owed.items()))
-            if until > now:
-                return
-            self._drop(key)
+        lapses, owed = self._lapses, self._owed
+        while lapses and lapses[0][0] <= now:
+            until, _, key = heapq.heappop(lapses)
+            entry = owed.get(key)
+            if entry is not None and entry[2] == until:  # not renewed since
+                self._drop(key)
 
-    def grant(self, key: Hashable, model: str, priority: int, until: float) -> None:
-        """`key` is owed a turn until the monotonic `until` (renewed when it already is)."""
-        self._drop(key)
-        self._owed[key] = (model, priority, until)
-        self._count[(model, priority)] = self._count.get((model, priority), 0) + 1
+    def grant(self, key: Hashable, model: str, priority: int, until: float, now: float) -> None:
+        """`key` is owed a turn until the monotonic `until` (renewed when it already is:
+        it keeps its place in the order)."""
+        entry = self._owed.get(key)
+        if entry is not None and (entry[0], entry[1]) == (model, priority):
+            self._owed[key] = (model, priority, until, entry[3])
+        else:
+            self._drop(key)
+            self._owed[key] = (model, priority, until, now)
+            self._count[(model, priority)] = self._count.get((model, priority), 0) + 1
+        self._seq += 1
+        heapq.heappush(self._lapses, (until, self._seq, key))
         while len(self._owed) > self.max_entries:
             self._drop(next(iter(self._owed)))
+        if len(self._lapses) > 4 * self.max_entries:  # stale entries of renewals
+            self._lapses = [(e[2], i, k) for i, (k, e) in enumerate(self._owed.items())]
+            heapq.heapify(self._lapses)
 
     def holds(self, key: Hashable, now: float) -> bool:
         self._expire(now)
@@ -313,6 +331,17 @@ class Turns:
         """A turn is owed to a request of `model` at `priority` or a better one."""
         self._expire(now)
         return any(m == model and p <= priority for m, p in self._count)
+
+    def first_overdue(
+        self, model: str, priority: int, now: float, overdue_s: float
+    ) -> Hashable | None:
+        """The oldest turn owed to a request of `model` at `priority` or a better one, if
+        it has been owed for longer than `overdue_s`; else None."""
+        self._expire(now)
+        for key, (m, p, _, since) in self._owed.items():
+            if m == model and p <= priority:
+                return key if now - since > overdue_s else None
+        return None
 
     def take(self, key: Hashable) -> None:
         """Its request got in: the turn is used."""
