@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -123,11 +124,41 @@ def render_command(
     return argv
 
 
-def free_loopback_port(host: str = "127.0.0.1") -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+RESERVED_FROM = 20000  # replica ports are chosen from here up to the ephemeral range
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for `bind(0)` and outgoing connections."""
+    try:
+        low, high = (int(n) for n in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def free_loopback_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free on `host` now, below the kernel's ephemeral range, so that nothing
+    bound to port 0 (the admin API, a client's connection) takes it before the replica
+    binds it, or while the replica is down between restarts. Seen in CI: the admin API,
+    bound to port 0, got the port chosen for a replica a moment before the replica came
+    up, which then failed to bind three times and was cordoned. Falls back to any free
+    port when the range below the ephemeral one is too small to choose from."""
+    low, _ = ephemeral_range()
+    draw = rng or random
+    if low - RESERVED_FROM >= 1000:
+        for _ in range(64):
+            port = draw.randrange(RESERVED_FROM, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        any_port: int = s.getsockname()[1]
+        return any_port
 
 
 # --------------------------------------------------------------------------- public data
