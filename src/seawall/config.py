@@ -390,10 +390,11 @@ class AdmissionConfig(_Strict):
     # How, by `turns`: `hold` (the default) refuses it again with a Retry-After but holds
     # the room that frees for it until it comes back (or, unseen for its Retry-After, at
     # most queue_timeout_s, + `turn_grace_s`, it is taken to have given up), so it
-    # starts at once and nothing
-    # waits in the gateway; `queue` makes its next attempt wait in the queue (within
-    # queue_max and queue_timeout_s), for clients that stop retrying early (the OpenAI
-    # SDKs retry twice). 0: every refusal is final, and nobody takes turns.
+    # starts at once and nothing waits in the gateway (the first owed one back takes
+    # the room, or, once one is owed longer than queue_timeout_s, the oldest alone);
+    # `queue` makes its next attempt wait in the queue (within queue_max and
+    # queue_timeout_s), for clients that stop retrying early (the OpenAI SDKs retry
+    # twice). 0: every refusal is final, and nobody takes turns.
     queue_after_refusals: Annotated[int, Field(ge=0)] = 2
     turns: Literal["hold", "queue"] = "hold"
     turn_grace_s: Annotated[float, Field(gt=0)] = 1.0

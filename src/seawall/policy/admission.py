@@ -57,7 +57,10 @@ admission) to 2.3 s, for the same engine throughput. So instead a request refuse
 it comes back (or its turn lapses, `hold_s` after it was last refused: a client that
 gave up) no fresh request of its tier or a worse one takes room ahead of it. The room a
 completion frees waits for whichever owed request comes back first, which then starts
-at once. A client that never comes back costs the fleet `hold_s` of that room.
+at once; but once a turn has been owed for longer than the caller's `overdue_s`
+(`queue_timeout_s`), the room goes to the oldest such turn alone, so that a client
+that polls at unlucky moments is not outrun for ever. A client that never comes back
+costs the fleet `hold_s` of that room.
 `turns: queue` keeps the queue instead, for clients that give up after few retries
 (the OpenAI SDKs retry twice by default): their third attempt waits rather than fails.
 
