@@ -145,13 +145,23 @@ WORKLOADS = {
 
 
 class Prompts:
-    """The requests of one run: prompts of known natural length, drawn by class."""
+    """The requests of one run: prompts of known natural length, drawn by class.
 
-    def __init__(self, w: Workload, args: argparse.Namespace, seed: int) -> None:
+    `seed` draws the classes (the n-th request of the run is short or long), `pool_seed`
+    the prompts. The runs of a round share `seed` and differ in `pool_seed`: every mode
+    meets the same sequence of short and long requests (with 15% long generations, how
+    many a run happens to draw moves its tokens/s by several percent), while no prompt is
+    sent twice to the same sims (their prefix cache would flatter the later run)."""
+
+    def __init__(
+        self, w: Workload, args: argparse.Namespace, seed: int, pool_seed: int | None = None
+    ) -> None:
         self.w = w
         self.args = args
         self.rng = random.Random(seed)
-        self.pool = LengthPool(seed, args.prompt_tokens, w.max_tokens)
+        self.pool = LengthPool(
+            seed if pool_seed is None else pool_seed, args.prompt_tokens, w.max_tokens
+        )
         self.ready: dict[tuple[int, int], list[tuple[str, int]]] = {}
 
     def prepare(self, counts: dict[tuple[int, int], int]) -> None:
@@ -535,12 +545,13 @@ async def run_one(
     sims: list[str],
     args: argparse.Namespace,
     seed: int,
+    pool_seed: int,
     probe: bool,
 ) -> Result:
     import aiohttp
 
     seconds = args.seconds or w.seconds
-    prompts = Prompts(w, args, seed)
+    prompts = Prompts(w, args, seed, pool_seed)
     if w.classes is not None:
         # Enough prepared for the run: each client's worth of short requests, long ones fewer.
         want: dict[tuple[int, int], int] = {}
@@ -752,8 +763,10 @@ async def amain(args: argparse.Namespace) -> int:
                     t = time.monotonic()
                     probe = w.ignore_eos and mode != "none" and mode != "capacity"
                     i = [m for m, _, _ in runs].index(mode)
-                    seed = 1000 * (i + 1) + 17 * len(summary) + 100_003 * k
-                    res = await run_one(w, mode, admission, n, urls, args, seed, probe)
+                    # The round's class sequence, each mode's own prompts (`Prompts`).
+                    seed = 1000 + 17 * len(summary) + 100_003 * k
+                    pool_seed = seed + 1000 * i
+                    res = await run_one(w, mode, admission, n, urls, args, seed, pool_seed, probe)
                     by_mode[mode].append(res)
                     tag = f"{mode}" + (f" #{k + 1}" if args.rounds > 1 else "")
                     res.mode = tag
