@@ -1,7 +1,7 @@
 """guidellm's TTFT and ITL through `seawall serve` against direct, with the noise.
 
     python bench/bench_guidellm.py [--seconds 20] [--rate 4] [--prompt-tokens 128]
-        [--output-tokens 64] [--replicas 1] [--rounds 1] [--peers]
+        [--output-tokens 64] [--replicas 1] [--rounds 1] [--peers] [--floor]
 
 guidellm 0.8 (unchanged, in its own venv: `./dev setup`, tests/support/guidellm.py)
 runs the same constant-rate load several times against the same `seawall sim` replica:
@@ -11,9 +11,12 @@ does), and direct again. One replica by default, so every proxied run meets the 
 engine as the direct ones (guidellm has one target; with `--replicas N` the proxies
 spread over N, direct still uses the first). The two direct runs of a round give the
 noise: a proxy matches direct when its difference from the round's direct mean is within
-the two direct runs' spread. `--rounds N` repeats the whole sequence N times (the
-proxies stay up), so the verdict can be read over rounds rather than from one. Each run
-has its own data seed, so no run reuses another's prompts from the sims' prefix cache.
+the two direct runs' spread. `--floor` adds `tcp_relay.py`, a byte relay with no HTTP
+in front of the first replica: the part of any proxy's hop that one more process and two
+more loopback hops cost on this machine, which no proxy can go under. `--rounds N`
+repeats the whole sequence N times (the proxies stay up), so the verdict can be read over
+rounds rather than from one. Each run has its own data seed, so no run reuses another's
+prompts from the sims' prefix cache.
 
 Prints per run: requests ok / errored, TTFT and ITL (ms) median and p95 as guidellm
 measures them, then per round and proxy: its minus the direct mean beside |direct 1 -
@@ -58,6 +61,9 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1, help="direct, proxies, direct; N times")
     parser.add_argument("--peers", action="store_true", help="also through vllm-router")
+    parser.add_argument(
+        "--floor", action="store_true", help="also through a byte relay (no HTTP): the floor"
+    )
     args = parser.parse_args()
     if guidellm.binary() is None:
         print(f"guidellm is not installed in {guidellm.venv_dir()}: run ./dev setup")
@@ -95,6 +101,25 @@ def main() -> int:
             )
             procs.append(router)
             proxies["vllm-router"] = f"http://127.0.0.1:{port}"
+
+        if args.floor:
+            port = free_port()
+            relay = Proc(
+                "tcp-relay",
+                [
+                    sys.executable,
+                    str(REPO / "bench" / "tcp_relay.py"),
+                    str(port),
+                    str(sims[0].port),
+                ],
+                work / "tcp-relay.log",
+                seawall_env(),
+                REPO,
+                port,
+            )
+            procs.append(relay)
+            wait_http(f"http://127.0.0.1:{port}/health", 30, relay)
+            proxies["tcp-relay"] = f"http://127.0.0.1:{port}"
 
         direct = upstreams[0]
         results: list[dict[str, guidellm.Result]] = []
