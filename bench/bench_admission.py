@@ -764,7 +764,9 @@ async def amain(args: argparse.Namespace) -> int:
                     probe = w.ignore_eos and mode != "none" and mode != "capacity"
                     i = [m for m, _, _ in runs].index(mode)
                     # The round's class sequence, each mode's own prompts (`Prompts`).
-                    seed = 1000 + 17 * len(summary) + 100_003 * k
+                    # By the workload's name, not its place in --workloads: a workload
+                    # run alone meets the sequence it met in the full run.
+                    seed = 1000 + 17 * list(WORKLOADS).index(w.name) + 100_003 * k
                     pool_seed = seed + 1000 * i
                     res = await run_one(w, mode, admission, n, urls, args, seed, pool_seed, probe)
                     by_mode[mode].append(res)
