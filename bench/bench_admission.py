@@ -38,9 +38,10 @@ most requests that can run to max_tokens together without the engine preempting 
 definition of the issue's table: 2 x 200-block sims, max_tokens 1000 -> 4, so 12 clients at
 3x). `--factor` x capacity x replicas closed-loop clients (`--clients` overrides). The
 mean blocks per request of the workload's lengths is printed beside it. A 429 waits
-min(Retry-After, `--backoff`) and resends the same request; every 429 counts as one
-shed. The load is a tier of priority 1, above `lowest_priority_to_queue` 0, so a
-saturated fleet sheds at once rather than queueing.
+min(retry-after-ms, or else Retry-After, `--backoff`), as the OpenAI SDKs do, and
+resends the same request; every 429 counts as one shed. The load is a tier of priority
+1, above `lowest_priority_to_queue` 0, so a saturated fleet sheds at once rather than
+queueing.
 `full` also runs `capacity` clients with admission off: the fleet's full-length capacity.
 
 Figures per run:
@@ -59,8 +60,10 @@ Figures per run:
   p99 (one blocking client in its own process, a 1-token request every 20 ms);
 - level: the adaptive controller's reserve level (`seawall_admission_reserve_level`, max
   over replicas) at the end of the load, and its peak. Every run's samples (per replica
-  preemptions and running, the level, every 0.25 s) go to `<workload>-<mode>-samples.json`
-  in the log directory.
+  preemptions and running, the level, every 0.25 s; and from the gateway's admin API each
+  replica's controller cause, KV blocks reserved / limit, requests in flight, and why a
+  request would be refused there now) go to `<workload>-<mode>-samples.json` in the log
+  directory.
 Goals (PASS/MISS), adaptive against none in the same workload: preemption rate per replica
 under the alert's 0.5/s; TTFT p99 no worse; no client starved; for eos/mix/shift tokens/s
 >= 95% of none's; for full preemptions <= 5% of none's and tokens/s >= 90% of the capacity
@@ -73,10 +76,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
 import re
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -280,11 +285,20 @@ def start_sims(w: Workload, args: argparse.Namespace) -> list[Proc]:
     return sims
 
 
+# The admin API's token for this benchmark's gateways (loopback only, one run each).
+ADMIN_TOKEN = "bench-admission-" + secrets.token_hex(8)
+
+
 def gateway_config(
     port: int, sims: list[str], admission: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     return {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {
+            "enabled": True,
+            "port": free_port(),
+            "token_hash": "sha256:" + hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest(),
+        },
         "replicas": [{"url": u, "model": MODEL, "id": f"r{i}"} for i, u in enumerate(sims)],
         "fleet": {"scrape_interval_s": args.scrape_interval, "ledger_path": ":memory:"},
         "tiers": {"default": {"priority": 1}},
@@ -362,8 +376,13 @@ async def run_clients(
                     shed = True
                     why = _shed_reason(await r.read())
                     load.shed_why[why] = load.shed_why.get(why, 0) + 1
-                    try:
-                        retry_after = float(r.headers.get("Retry-After", args.backoff))
+                    try:  # retry-after-ms first, as the OpenAI SDKs read them
+                        ms = r.headers.get("retry-after-ms")
+                        retry_after = (
+                            float(ms) / 1000
+                            if ms is not None
+                            else float(r.headers.get("Retry-After", args.backoff))
+                        )
                     except ValueError:
                         retry_after = args.backoff
                     await asyncio.sleep(min(retry_after, args.backoff))
@@ -433,14 +452,49 @@ class Sample:
     preemptions: list[float]  # per replica, cumulative
     running: list[float]
     level: float | None  # the gateway's reserve level, max over replicas
+    # Per replica, from the admin API (adaptive mode): the controller's cause, its KV
+    # blocks reserved / limit, requests, and why a request would be refused there now.
+    control: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def admin_control(session: Any, admin: str) -> list[dict[str, Any]]:
+    import aiohttp
+
+    try:
+        async with session.get(
+            admin + "/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as resp:
+            state = await resp.json()
+    except (aiohttp.ClientError, ValueError):
+        return []
+    out = []
+    for r in state.get("replicas", []):
+        a = r.get("admission") or {}
+        out.append(
+            {
+                "cause": a.get("cause"),
+                "reserved": a.get("reserved_kv_blocks"),
+                "limit": a.get("limit_kv_blocks"),
+                "requests": a.get("requests"),
+                "refuse": r.get("saturation_reason"),
+            }
+        )
+    return out
 
 
 async def sample(
-    session: Any, sims: list[str], gateway: str, until: asyncio.Future[None], started: float
+    session: Any,
+    sims: list[str],
+    gateway: str,
+    admin: str,
+    until: asyncio.Future[None],
+    started: float,
 ) -> list[Sample]:
     out: list[Sample] = []
     while not until.done():
-        got = await asyncio.gather(*(scrape(session, u) for u in [*sims, gateway]))
+        *got, control = await asyncio.gather(
+            *(scrape(session, u) for u in [*sims, gateway]), admin_control(session, admin)
+        )
         levels = [v for _, v in got[-1].get("seawall_admission_reserve_level", [])]
         out.append(
             Sample(
@@ -448,6 +502,7 @@ async def sample(
                 [metric_sum(m, "vllm:num_preemptions_total") for m in got[:-1]],
                 [metric_sum(m, "vllm:num_requests_running") for m in got[:-1]],
                 max(levels) if levels else None,
+                control,
             )
         )
         await asyncio.sleep(SAMPLE_S)
@@ -562,7 +617,9 @@ async def run_one(
         prompts.prepare({k: min(v, 3000) for k, v in want.items()})
     port = free_port()
     name = f"{w.name}-{mode}"
-    proc, url = start_gateway(name, gateway_config(port, sims, admission, args))
+    config = gateway_config(port, sims, admission, args)
+    proc, url = start_gateway(name, config)
+    admin = f"http://127.0.0.1:{config['admin']['port']}"
     try:
         # /readyz needs a live replica; admission also needs a first scrape of each one.
         await asyncio.sleep(max(1.0, 3 * args.scrape_interval))
@@ -573,7 +630,9 @@ async def run_one(
             clients_task = asyncio.ensure_future(
                 run_clients(url, clients, w, seconds, prompts, args, load, started)
             )
-            sampler = asyncio.ensure_future(sample(session, sims, url, clients_task, started))
+            sampler = asyncio.ensure_future(
+                sample(session, sims, url, admin, clients_task, started)
+            )
             await asyncio.sleep(args.warmup)
             _, gen0 = await fleet_counters(session, sims)
             t0 = time.monotonic()
