@@ -49,6 +49,20 @@ def sse_events(body: bytes) -> list[bytes]:
     return [e for e in body.split(b"\n\n") if e]
 
 
+def stream_cut(gw: Proc) -> tuple[list[bytes], dict[str, Any]]:
+    """Stream a 50-token completion that the gateway must end with an error event: the
+    events as relayed, and that error (the event before the last)."""
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        timeout=20,
+        json={**COMPLETION, "stream": True, "max_tokens": 50},
+    )
+    assert r.status_code == 200
+    events = sse_events(r.content)
+    error: dict[str, Any] = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    return events, error
+
+
 @pytest.fixture
 def two_sims(artifacts: Path) -> Iterator[tuple[Proc, Proc]]:
     a, b = start_sim(artifacts, name="a"), start_sim(artifacts, name="b")
@@ -187,15 +201,8 @@ def test_a_stream_whose_upstream_response_ends_before_done_is_dropped_not_served
             artifacts, [], {"replicas": [{"url": upstream.url, "id": "r0", "model": MODEL}]}
         )
         with running(gw):
-            r = httpx.post(
-                gw.url + "/v1/completions",
-                timeout=20,
-                json={**COMPLETION, "stream": True, "max_tokens": 50},
-            )
-            assert r.status_code == 200
-            events = sse_events(r.content)
+            events, error = stream_cut(gw)
             assert sum(1 for e in events if b'"text"' in e) == 3  # the tokens came through
-            error = json.loads(events[-2].removeprefix(b"data: "))["error"]
             assert error["code"] == "upstream_closed"
             m = scrape(gw.url)
             assert metric_sum(m, "seawall_stream_errors_total", reason="upstream_closed") == 1
@@ -208,15 +215,8 @@ def test_replica_killed_mid_stream_ends_the_stream_cleanly_without_retry(
         set_fault(sim, {"kind": "crash", "after_tokens": 5})
     gw = start_gateway(artifacts, list(two_sims))
     with running(gw):
-        r = httpx.post(
-            gw.url + "/v1/completions",
-            timeout=20,
-            json={**COMPLETION, "stream": True, "max_tokens": 50},
-        )
-        assert r.status_code == 200
-        events = sse_events(r.content)
+        events, error = stream_cut(gw)
         assert events[-1] == b"data: [DONE]"
-        error = json.loads(events[-2].removeprefix(b"data: "))["error"]
         assert error["code"] in ("upstream_reset", "upstream_closed")
         assert sum(1 for e in events if b'"text"' in e) >= 1  # tokens reached the client first
         m = scrape(gw.url)

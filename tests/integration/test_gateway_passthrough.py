@@ -12,14 +12,13 @@ status, and the list is kept honest: a listed case whose answer became vLLM's fa
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import email.message
 import email.parser
 import email.policy
 import json
 import re
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from tests.support.llamacpp import (
     start_llama_server,
 )
 from tests.support.procs import Proc
+from tests.support.served import served
 
 pytestmark = pytest.mark.integration
 
@@ -576,9 +576,7 @@ class RecordingAudioEngine:
     def __init__(self) -> None:
         self.uploads: list[tuple[str, bytes]] = []
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+        self._served: contextlib.AbstractContextManager[int] | None = None
 
     @property
     def url(self) -> str:
@@ -609,7 +607,7 @@ class RecordingAudioEngine:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def _start(self) -> int:
+    def __enter__(self) -> RecordingAudioEngine:
         async def health(request: web.Request) -> web.Response:
             return web.Response()
 
@@ -621,24 +619,13 @@ class RecordingAudioEngine:
         app.router.add_get("/v1/models", models)
         for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
             app.router.add_post(path, self._upload)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port: int = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return port
-
-    def __enter__(self) -> RecordingAudioEngine:
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self._served = served(app, "audio-engine")
+        self.port = self._served.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
+        if self._served is not None:
+            self._served.__exit__(None, None, None)
 
 
 def test_an_upload_is_routed_by_its_form_and_forwarded_byte_for_byte(artifacts: Path) -> None:

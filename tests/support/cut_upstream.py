@@ -11,11 +11,13 @@ probe) answers whole; a streamed one sends `tokens` chunks and ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import threading
 import time
 
 from aiohttp import web
+
+from tests.support.served import served
 
 
 class CutUpstream:
@@ -23,35 +25,24 @@ class CutUpstream:
         self.model = model
         self.tokens = tokens
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+        self._served: contextlib.AbstractContextManager[int] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> CutUpstream:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    async def _start(self) -> None:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._served = served(app, "cut-upstream")
+        self.port = self._served.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._served is not None:
+            self._served.__exit__(None, None, None)
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response()

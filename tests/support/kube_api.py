@@ -37,6 +37,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from tests.support.served import served
+
 
 @dataclass
 class Recorded:
@@ -302,24 +304,5 @@ def write_kubeconfig(path: Path, port: int, namespace: str = "default") -> Path:
 @contextmanager
 def threaded(api: KubeApi) -> Iterator[int]:
     """Serve `api` on a loop of its own in a thread; yields its port."""
-    loop = asyncio.new_event_loop()
-    started: dict[str, Any] = {}
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        runner, port = loop.run_until_complete(serve(api))
-        started["runner"], started["port"] = runner, port
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    thread = threading.Thread(target=run, name="kube-api", daemon=True)
-    thread.start()
-    assert ready.wait(10), "the loopback API server did not start"
-    try:
-        yield int(started["port"])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with served(api.app(), "kube-api") as port:
+        yield port
