@@ -476,6 +476,9 @@ async def admin_control(session: Any, admin: str) -> list[dict[str, Any]]:
                 "reserved": a.get("reserved_kv_blocks"),
                 "limit": a.get("limit_kv_blocks"),
                 "requests": a.get("requests"),
+                "level": a.get("reserve_level"),
+                "kv": a.get("kv_usage"),
+                "trend": a.get("kv_trend_per_s"),
                 "refuse": r.get("saturation_reason"),
             }
         )

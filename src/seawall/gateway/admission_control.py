@@ -351,6 +351,8 @@ class AdmissionControl:
             "requests": r.reserved.requests,
             "expected_kv_blocks": r.reserved.expected_blocks,
             "worst_kv_blocks": r.reserved.worst_blocks,
+            "kv_usage": None if s.kv_usage is None else round(s.kv_usage, 4),
+            "kv_trend_per_s": round(s.kv_trend_per_s, 4),
             "preemptions_per_s": round(s.preemption_rate_per_s, 3),
             "completions_per_s": round(s.completions_per_s, 3),
             "metrics_age_s": None if s.metrics_age_s is None else round(s.metrics_age_s, 2),

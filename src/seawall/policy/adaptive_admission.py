@@ -467,6 +467,7 @@ class ControlState:
     reserved_blocks: float
     capacity_blocks: float | None
     kv_usage: float | None
+    kv_trend_per_s: float  # the usage's smoothed change per second (its share of the cache)
     preemption_rate_per_s: float
     completions_per_s: float
     metrics_age_s: float | None
@@ -762,6 +763,7 @@ class ReplicaAdmission:
             reserved_blocks=reserved.total_at(level, cfg.spread_z),
             capacity_blocks=capacity,
             kv_usage=load.kv_usage if load is not None else None,
+            kv_trend_per_s=self._kv_slope,
             preemption_rate_per_s=self._preempt_rate,
             completions_per_s=self.completions_per_s(now),
             metrics_age_s=(now - load.scraped_at) if load is not None else None,
