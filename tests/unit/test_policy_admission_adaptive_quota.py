@@ -20,12 +20,12 @@ def test_within_a_share_even_with_nothing_in_flight_here() -> None:
 
 def test_the_others_usage_is_not_read_as_this_gateways_requests_outgrowing() -> None:
     """Three gateways hold two EOS requests each (~60 blocks at the means) on a cache
-    that is 90% used (179 blocks, all of them real requests)."""
+    that is 98% used (195 blocks, all of them real requests)."""
     mine = holding(eos(), eos())
     alone, shared = ReplicaAdmission(ControlConfig()), ReplicaAdmission(ControlConfig())
     for i in range(10):
         t = i * 0.2
-        alone.observe(load(t, kv=0.9, running=6), mine, t)
-        shared.observe(load(t, kv=0.9, running=6), mine, t, quota=1 / 3)
+        alone.observe(load(t, kv=0.98, running=6), mine, t)
+        shared.observe(load(t, kv=0.98, running=6), mine, t, quota=1 / 3)
     assert alone.cause is Cause.outgrown and alone.level > 0.5  # as if its own outgrew
     assert shared.cause is not Cause.outgrown and shared.level == 0.0
