@@ -171,6 +171,28 @@ def test_near_full_stops_admission_before_the_engine_must_preempt() -> None:
     assert "96%" in held.reason
 
 
+def test_near_full_does_not_hold_requests_whose_worst_case_fits() -> None:
+    """Outputs that run to max_tokens (bench_admission's full workload: ignore_eos, 300-token
+    requests, 19 blocks each, 10 fit): the gauge was scraped with ten running and the cache
+    95% full and filling; one has finished since. Its room may be taken: with every request
+    in flight at its worst case the cache still holds them all, so the engine cannot have to
+    preempt whatever the gauge says. Holding it as near full until the next scrape left the
+    lockstep workload's replicas idle (88-94% of the full-length capacity's tokens/s); the
+    plain reserve rule already ignores the gauge for that reason."""
+    full = LengthEstimate(expected_tokens=200, spread_tokens=0, samples=50)
+    c = ReplicaAdmission(ControlConfig())
+    ten = holding(*(Demand.of(100, 200, full) for _ in range(10)))
+    for i in range(5):
+        c.observe(load(i * 0.2, kv=0.87 + 0.02 * i, running=10), ten, i * 0.2)
+    nine = holding(*(Demand.of(100, 200, full) for _ in range(9)))
+    gauge = load(0.8, kv=0.95, running=10)
+    assert isinstance(c.decide(Demand.of(100, 200, full), nine, gauge, 0.9), Admit)
+    held = c.decide(Demand.of(100, 200, full), ten, gauge, 0.9)  # an eleventh does not fit
+    assert isinstance(held, Hold) and held.kind is HoldKind.reserved
+    # Where the worst case does not fit (lengths that vary), near full still holds.
+    assert isinstance(c.decide(eos(), holding(eos(), eos()), gauge, 0.9), Hold)
+
+
 def test_a_rising_cache_is_judged_where_it_will_be() -> None:
     """Requests that outgrew their estimates push usage up between scrapes; the trend
     extrapolated over the scrape's age stops admission before the gauge reads full."""

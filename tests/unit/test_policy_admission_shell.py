@@ -165,10 +165,17 @@ def test_fleet_admission_follows_every_snapshot_and_refuses_with_the_reason() ->
     fleet.on_snapshot(FleetSnapshot({"r0": view}, 10.0))  # the monitor's listener
     state = fleet.control.state("r0", 10.0)
     assert state is not None and state.kv_usage == 0.97
+    for _ in range(20):  # learned: ~300-token outputs, far under max_tokens
+        fleet.control.lengths.observe(("m", "default", "acme"), 1000, 300)
     c = ctx()
     fleet.control.attach(c, 100, 1000, 1100, 0)
     assert c.admission is not None
     c.admission.bind("r0", gw.ledger.hold("r0"))
+    for _ in range(2):  # three in flight could outgrow the cache (3 x 69 of 199 blocks)
+        more = ctx()
+        fleet.control.attach(more, 100, 1000, 1100, 0)
+        assert more.admission is not None
+        more.admission.bind("r0", gw.ledger.hold("r0"))
     other = ctx()
     fleet.control.attach(other, 100, 1000, 1100, 0)
     reason = fleet.saturation(replica, view, now=10.0, need_tokens=other.reserve_tokens)
