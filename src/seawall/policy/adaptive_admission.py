@@ -124,10 +124,13 @@ limit and of `kv_high` to the most important tier `top` with requests in flight 
 replica, so lower tiers are refused first as the cache fills; a tier with nothing in
 flight on the replica is judged as the top tier, so no tier is starved to zero.
 
-Retry-After (whole seconds, [min_retry_after_s, max_retry_after_s]): the requests that
-must finish for this one to fit (the blocks over the limit / the mean blocks per request
-in flight), divided by the replica's decayed completion rate; None when nothing has
-completed yet (the caller falls back to the fleet's drain estimate).
+Retry-After ([min_retry_after_s, max_retry_after_s]): the requests that must finish for
+this one to fit (the blocks over the limit / the mean blocks per request in flight),
+divided by the replica's decayed completion rate; None when nothing has completed yet
+(the caller falls back to the fleet's drain estimate). Not rounded: the `Retry-After`
+header rounds it up to whole seconds and `retry-after-ms` (which the OpenAI SDKs prefer)
+carries it exactly, so a client that can come back in 0.2 s, when a short chat has freed
+the room, is not told 1 s while the room it is owed stands idle.
 
 Across gateways (issue 15). An engine's gauges see every gateway's requests; one
 gateway's reservations see only its own. What a single gateway cannot know is the
@@ -174,7 +177,7 @@ class ControlConfig:
     lookahead_s: float = 0.5
     trend_tau_s: float = 1.0
     completion_window_s: float = 10.0
-    min_retry_after_s: float = 1.0
+    min_retry_after_s: float = 0.1
     max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -761,7 +764,7 @@ class ReplicaAdmission:
             return None
         cfg = self.config
         seconds = max(requests_to_finish, 1.0) / rate
-        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, float(math.ceil(seconds))))
+        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, seconds))
 
     def state(self, reserved: Reservations, load: EngineLoad | None, now: float) -> ControlState:
         cfg = self.config
