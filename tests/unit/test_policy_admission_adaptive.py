@@ -381,17 +381,35 @@ def test_retry_after_is_when_the_request_would_fit_at_the_observed_completion_ra
         c.completed(t)
     held = c.decide(eos(), full, load(t), t)
     assert isinstance(held, Hold) and held.kind is HoldKind.reserved
-    # Not rounded up to whole seconds here: the header does that, and `retry-after-ms`
-    # carries the estimate exactly (a short chat frees the room in a fraction of one).
-    assert held.retry_after_s is not None and held.retry_after_s != int(held.retry_after_s)
+    # Lengths that vary: a rough estimate, in whole seconds.
+    assert held.retry_after_s is not None and held.retry_after_s == float(int(held.retry_after_s))
     # Truthful: after Retry-After seconds of completions at that rate, the request fits.
-    finished = round(held.retry_after_s * c.completions_per_s(t))
+    finished = math.floor(held.retry_after_s * c.completions_per_s(t))
     left = holding(*[eos()] * (6 - finished))
     assert isinstance(c.decide(eos(), left, load(t), t), Admit)
     # And not a constant: a fuller replica asks for a longer wait.
     fuller = c.decide(eos(), holding(*[eos()] * 11), load(t), t)
     assert isinstance(fuller, Hold) and fuller.retry_after_s is not None
     assert fuller.retry_after_s > held.retry_after_s
+
+
+def test_retry_after_is_exact_where_every_reservation_is_the_worst_case() -> None:
+    """Full-length outputs (every completion at max_tokens): reservations are exact, a client
+    back early cannot make the engine preempt, and the room it is owed would stand idle, so
+    the wait is not rounded up to a second (retry-after-ms carries it; the header rounds)."""
+    full = LengthEstimate(expected_tokens=200, spread_tokens=0, samples=50)
+    c = ReplicaAdmission(ControlConfig(completion_window_s=10.0))
+    t = 0.0
+    for _ in range(60):  # four completions a second
+        t += 0.25
+        c.completed(t)
+    ten = holding(*(Demand.of(100, 200, full) for _ in range(10)))  # 190 of 199 blocks
+    held = c.decide(Demand.of(100, 200, full), ten, load(t), t)
+    assert isinstance(held, Hold) and held.kind is HoldKind.reserved
+    assert held.retry_after_s is not None and 0.1 <= held.retry_after_s < 1.0
+    # The same wait with learned lengths that vary is a whole second.
+    eos_held = c.decide(eos(), holding(*[eos()] * 6), load(t), t)
+    assert isinstance(eos_held, Hold) and eos_held.retry_after_s == 1.0
 
 
 # ----------------------------------------------------------------------------- reservations

@@ -124,13 +124,20 @@ limit and of `kv_high` to the most important tier `top` with requests in flight 
 replica, so lower tiers are refused first as the cache fills; a tier with nothing in
 flight on the replica is judged as the top tier, so no tier is starved to zero.
 
-Retry-After ([min_retry_after_s, max_retry_after_s]): the requests that must finish for
-this one to fit (the blocks over the limit / the mean blocks per request in flight),
-divided by the replica's decayed completion rate; None when nothing has completed yet
-(the caller falls back to the fleet's drain estimate). Not rounded: the `Retry-After`
-header rounds it up to whole seconds and `retry-after-ms` (which the OpenAI SDKs prefer)
-carries it exactly, so a client that can come back in 0.2 s, when a short chat has freed
-the room, is not told 1 s while the room it is owed stands idle.
+Retry-After (up to `max_retry_after_s`): the requests that must finish for this one to
+fit (the blocks over the limit / the mean blocks per request in flight), divided by the
+replica's decayed completion rate; None when nothing has completed yet (the caller falls
+back to the fleet's drain estimate). How exact depends on the reservations it rests on:
+- every request in flight and this one reserved at its worst case (lengths that never
+  vary, a cold start, or the level at 1): the estimate itself, from
+  `min_exact_retry_after_s` (0.1 s; `retry-after-ms`, which the OpenAI SDKs prefer,
+  carries it, the `Retry-After` header rounds it up to whole seconds). Coming back early
+  cannot make the engine preempt, and the room it is owed would stand idle meanwhile:
+  rounded up to a second, lockstep full-length requests left both replicas empty for
+  ~0.3 s after each batch (88-91% of their capacity's tokens/s; 94.6-97.5% unrounded).
+- otherwise whole seconds, from `min_retry_after_s` (1 s): with lengths that vary the
+  estimate is rough, and clients brought back sooner filled the cache sooner: the mix
+  lost 5-19% of its tokens/s per round to the preemptions and tightening that followed.
 
 Across gateways (issue 15). An engine's gauges see every gateway's requests; one
 gateway's reservations see only its own. What a single gateway cannot know is the
@@ -177,7 +184,8 @@ class ControlConfig:
     lookahead_s: float = 0.5
     trend_tau_s: float = 1.0
     completion_window_s: float = 10.0
-    min_retry_after_s: float = 0.1
+    min_retry_after_s: float = 1.0  # whole seconds where lengths vary
+    min_exact_retry_after_s: float = 0.1  # where every reservation is the worst case
     max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -683,7 +691,9 @@ class ReplicaAdmission:
         cfg = self.config
         age = now - load.scraped_at
         if age > cfg.metrics_max_age_s:
-            return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now))
+            return Hold(
+                HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now, False)
+            )
         capacity = _capacity_blocks(load)
         level = self.effective_level(load, now)
         # The request's own blocks added to the sums (no new Reservations: this runs for
@@ -732,7 +742,13 @@ class ReplicaAdmission:
                 HoldKind.reserved,
                 f"{wanted:.0f} KV blocks would be reserved at reserve level {level:+.2f}, "
                 f"over the {limit:.0f}{of} this replica gives priority {p}",
-                self._retry_after(k, reserved, now),
+                self._retry_after(
+                    k,
+                    reserved,
+                    now,
+                    level >= 1.0
+                    or (reserved.worst_blocks == reserved.expected_blocks and worst == expected),
+                ),
             )
         kv = load.kv_usage
         if kv is not None and reserved.worst_blocks + worst > limit:
@@ -752,19 +768,23 @@ class ReplicaAdmission:
                         over_blocks / used_per_request if used_per_request > 0 else 1.0,
                         reserved,
                         now,
+                        False,
                     ),
                 )
         return Admit(wanted, limit)
 
     def _retry_after(
-        self, requests_to_finish: float, reserved: Reservations, now: float
+        self, requests_to_finish: float, reserved: Reservations, now: float, exact: bool
     ) -> float | None:
         rate = self.completions_per_s(now)
         if not rate > 0:
             return None
         cfg = self.config
         seconds = max(requests_to_finish, 1.0) / rate
-        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, seconds))
+        if exact:
+            return min(cfg.max_retry_after_s, max(cfg.min_exact_retry_after_s, seconds))
+        whole = float(math.ceil(seconds))
+        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, whole))
 
     def state(self, reserved: Reservations, load: EngineLoad | None, now: float) -> ControlState:
         cfg = self.config
