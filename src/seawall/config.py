@@ -349,6 +349,11 @@ class AdaptiveAdmissionConfig(_Strict):
     progress_floor: Annotated[float, Field(ge=0, le=1)] = _ADAPTIVE.progress_floor
     fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
     lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
+    min_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.min_retry_after_s
+    min_exact_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.min_exact_retry_after_s
+    max_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.max_retry_after_s
+    trend_tau_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.trend_tau_s
+    completion_window_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.completion_window_s
     length_alpha: Annotated[float, Field(gt=0, le=1)] = 0.05  # weight of each new completion
     length_min_samples: Annotated[int, Field(ge=1)] = 1  # before a key's estimate is used
     # The first completions are the shortest (the long ones still run): the mean is shrunk

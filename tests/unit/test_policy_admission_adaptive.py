@@ -453,3 +453,17 @@ def test_lengths_that_never_vary_reserve_the_worst_case_at_every_level(
     d = Demand.of(prompt, max_tokens, LengthEstimate(max_tokens, 0.0, 100))
     r = Reservations().add(d, 16)
     assert r.blocks_at(level) == -(-(prompt + max_tokens) // 16)
+
+
+def test_every_controller_setting_can_be_set_from_the_config_file() -> None:
+    """`admission.adaptive` names each ControlConfig field (metrics_max_age_s comes from
+    `admission`): a setting the module documents must be one an operator can change."""
+    import dataclasses
+
+    from seawall.config import AdaptiveAdmissionConfig
+
+    fields = {f.name for f in dataclasses.fields(ControlConfig)} - {"metrics_max_age_s"}
+    assert fields <= set(AdaptiveAdmissionConfig.model_fields)
+    chosen = AdaptiveAdmissionConfig(min_exact_retry_after_s=1.0, outgrown_at=0.9)
+    control = chosen.control(5.0)
+    assert control.min_exact_retry_after_s == 1.0 and control.outgrown_at == 0.9
