@@ -191,6 +191,12 @@ def test_near_full_does_not_hold_requests_whose_worst_case_fits() -> None:
     assert isinstance(held, Hold) and held.kind is HoldKind.reserved
     # Where the worst case does not fit (lengths that vary), near full still holds.
     assert isinstance(c.decide(eos(), holding(eos(), eos()), gauge, 0.9), Hold)
+    # And with a share of the replica (several gateways), whose other requests this
+    # gateway does not see: four in flight in half the cache, a fifth fits its share at
+    # the worst case, but the gauge is the whole replica's.
+    four = holding(*(Demand.of(100, 200, full) for _ in range(4)))
+    shared = c.decide(Demand.of(100, 200, full), four, gauge, 0.9, quota=0.5)
+    assert isinstance(shared, Hold) and shared.kind is HoldKind.near_full
 
 
 def test_a_rising_cache_is_judged_where_it_will_be() -> None:

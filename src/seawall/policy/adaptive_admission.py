@@ -112,10 +112,10 @@ Admission, per request (`decide`):
    over `kv_high` while this gateway has requests on the replica: hold, "near full". This
    is the long-tail guard: a request that outgrew its estimate costs nothing until the
    cache is near full, and then nothing new is added before the engine must preempt. Not
-   when the requests in flight and this one all fit at their worst case (as the plain
-   reserve rule, which ignores the gauge): then nothing can outgrow, and a gauge scraped
-   before a request finished would hold its room until the next scrape (lockstep
-   full-length outputs: 88-94% of their capacity's tokens/s).
+   when, alone on the replica (`quota` 1), the requests in flight and this one all fit at
+   their worst case (as the plain reserve rule, which ignores the gauge): then nothing
+   can outgrow, and a gauge scraped before a request finished would hold its room until
+   the next scrape (lockstep full-length outputs: 88-94% of their capacity's tokens/s).
 4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
    engine queues what does not fit; this gateway cannot make that worse), unless this
    gateway holds only a share of it (`quota` < 1): the others may fill the rest.
@@ -751,10 +751,11 @@ class ReplicaAdmission:
                 ),
             )
         kv = load.kv_usage
-        if kv is not None and reserved.worst_blocks + worst > limit:
+        if kv is not None and (quota < 1.0 or reserved.worst_blocks + worst > limit):
             # Near full guards the long tail; with every request in flight at its worst case
             # the cache holds them all, the engine cannot have to preempt, and the gauge adds
-            # only its lag (a request finished since the scrape still reads as used).
+            # only its lag (a request finished since the scrape still reads as used). Not
+            # with a share of the replica: the other gateways' requests may outgrow theirs.
             predicted = kv + max(self._kv_slope, 0.0) * (max(age, 0.0) + cfg.lookahead_s)
             high = cfg.kv_high - cfg.tier_step * yields
             if predicted >= high:
