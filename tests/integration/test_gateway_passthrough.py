@@ -12,7 +12,6 @@ status, and the list is kept honest: a listed case whose answer became vLLM's fa
 
 from __future__ import annotations
 
-import contextlib
 import email.message
 import email.parser
 import email.policy
@@ -51,7 +50,7 @@ from tests.support.llamacpp import (
     start_llama_server,
 )
 from tests.support.procs import Proc
-from tests.support.served import served
+from tests.support.served import ServedDouble
 
 pytestmark = pytest.mark.integration
 
@@ -567,20 +566,17 @@ def test_cancelling_a_messages_stream_frees_the_engines_slot(
 # ------------------------------------------------------------------ audio uploads
 
 
-class RecordingAudioEngine:
+class RecordingAudioEngine(ServedDouble):
     """A test double, because no engine that transcribes audio can run here (vLLM needs a
     GPU and Whisper's weights; llama.cpp's tiny model has no audio encoder, see above).
     It records each upload exactly as it arrived and answers as vLLM's transcription
     serving does: a JSON body, or OpenAI chunks with `delta.content` and `data: [DONE]`."""
 
-    def __init__(self) -> None:
-        self.uploads: list[tuple[str, bytes]] = []
-        self.port = 0
-        self._served: contextlib.AbstractContextManager[int] | None = None
+    name = "audio-engine"
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self) -> None:
+        super().__init__()
+        self.uploads: list[tuple[str, bytes]] = []
 
     async def _upload(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -607,7 +603,7 @@ class RecordingAudioEngine:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    def __enter__(self) -> RecordingAudioEngine:
+    def app(self) -> web.Application:
         async def health(request: web.Request) -> web.Response:
             return web.Response()
 
@@ -619,13 +615,7 @@ class RecordingAudioEngine:
         app.router.add_get("/v1/models", models)
         for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
             app.router.add_post(path, self._upload)
-        self._served = served(app, "audio-engine")
-        self.port = self._served.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._served is not None:
-            self._served.__exit__(None, None, None)
+        return app
 
 
 def test_an_upload_is_routed_by_its_form_and_forwarded_byte_for_byte(artifacts: Path) -> None:

@@ -11,38 +11,28 @@ probe) answers whole; a streamed one sends `tokens` chunks and ends."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 
 from aiohttp import web
 
-from tests.support.served import served
+from tests.support.served import ServedDouble
 
 
-class CutUpstream:
+class CutUpstream(ServedDouble):
+    name = "cut-upstream"
+
     def __init__(self, model: str, tokens: int = 3) -> None:
+        super().__init__()
         self.model = model
         self.tokens = tokens
-        self.port = 0
-        self._served: contextlib.AbstractContextManager[int] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> CutUpstream:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
-        self._served = served(app, "cut-upstream")
-        self.port = self._served.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._served is not None:
-            self._served.__exit__(None, None, None)
+        return app
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Self
 
 from aiohttp import web
 
@@ -35,3 +36,31 @@ def served(app: web.Application, name: str = "test-double") -> Iterator[int]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+class ServedDouble:
+    """A test double that is a context manager serving `app()` (see `served`): entering
+    starts it and sets `port`, leaving stops it. Subclasses build the application."""
+
+    name = "test-double"
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._served: AbstractContextManager[int] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._served = served(self.app(), self.name)
+        self.port = self._served.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._served is not None:
+            self._served.__exit__(None, None, None)
+            self._served = None
