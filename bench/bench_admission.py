@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import random
@@ -104,6 +103,7 @@ from _common import (
     sim_argv,
     wait_http,
 )
+from seawall.auth import hash_key
 
 MODEL = "sim-model"
 LOGS = REPO / "bench" / "results" / "admission-logs"
@@ -297,7 +297,7 @@ def gateway_config(
         "admin": {
             "enabled": True,
             "port": free_port(),
-            "token_hash": "sha256:" + hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest(),
+            "token_hash": hash_key(ADMIN_TOKEN),
         },
         "replicas": [{"url": u, "model": MODEL, "id": f"r{i}"} for i, u in enumerate(sims)],
         "fleet": {"scrape_interval_s": args.scrape_interval, "ledger_path": ":memory:"},
