@@ -691,9 +691,7 @@ class ReplicaAdmission:
         cfg = self.config
         age = now - load.scraped_at
         if age > cfg.metrics_max_age_s:
-            return Hold(
-                HoldKind.stale, "metrics stale", self._retry_after(1.0, reserved, now, False)
-            )
+            return Hold(HoldKind.stale, "metrics stale", self._retry_after(1.0, now, False))
         capacity = _capacity_blocks(load)
         level = self.effective_level(load, now)
         # The request's own blocks added to the sums (no new Reservations: this runs for
@@ -744,7 +742,6 @@ class ReplicaAdmission:
                 f"over the {limit:.0f}{of} this replica gives priority {p}",
                 self._retry_after(
                     k,
-                    reserved,
                     now,
                     level >= 1.0
                     or (reserved.worst_blocks == reserved.expected_blocks and worst == expected),
@@ -767,16 +764,13 @@ class ReplicaAdmission:
                     f"{high:.0%} where priority {p} stops",
                     self._retry_after(
                         over_blocks / used_per_request if used_per_request > 0 else 1.0,
-                        reserved,
                         now,
                         False,
                     ),
                 )
         return Admit(wanted, limit)
 
-    def _retry_after(
-        self, requests_to_finish: float, reserved: Reservations, now: float, exact: bool
-    ) -> float | None:
+    def _retry_after(self, requests_to_finish: float, now: float, exact: bool) -> float | None:
         rate = self.completions_per_s(now)
         if not rate > 0:
             return None
