@@ -87,13 +87,14 @@ Feedback, on each new scrape:
   r jumps at once to where the reservations cover what is measured. `outgrown_at` (0.97)
   is past `kv_high` (0.95) on purpose: up to the near-full hold, usage over the estimates
   is the long tail that hold guards (a heavy-tailed mix keeps its long generations in
-  flight while the learned mean is short, and runs the cache at 88-92% with only a few
+  flight while the learned mean is short, and runs the cache at 86-98% with only a few
   cheap preemptions); only a cache that keeps filling past the hold, with nothing new
   admitted, says the requests in flight are longer than learned. At 0.85 the rule fired
-  in every mix run of bench_admission and held short chats at half their worst case for
-  seconds (87-94% of admission off's tokens/s where it fired; 0.97: 99% over five runs,
-  and the shift still tightened before its first preemption). With several gateways,
-  this one's part of the usage is its share (`quota`) of it.
+  in each of the five mix runs of bench_admission whose samples were read, and held short
+  chats at half their worst case for seconds; over five paired rounds the mix made 94% of
+  admission off's tokens/s at 0.85 (87-101% a round) and 99% at 0.97 (94-104%), and the
+  shift still tightened before its first preemption. With several gateways, this one's
+  part of the usage is its share (`quota`) of it.
 - progress: generated tokens per running request per second under `progress_floor` of
   its recent best while the cache is near full: steps spent recomputing or stalled. It
   stops loosening (as pressure) but does not tighten by itself: step times also vary with
@@ -115,7 +116,7 @@ Admission, per request (`decide`):
    when, alone on the replica (`quota` 1), the requests in flight and this one all fit at
    their worst case (as the plain reserve rule, which ignores the gauge): then nothing
    can outgrow, and a gauge scraped before a request finished would hold its room until
-   the next scrape (lockstep full-length outputs: 88-94% of their capacity's tokens/s).
+   the next scrape (one lockstep full-length round: 820 tok/s against 788-800 with it).
 4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
    engine queues what does not fit; this gateway cannot make that worse), unless this
    gateway holds only a share of it (`quota` < 1): the others may fill the rest.
@@ -134,10 +135,12 @@ back to the fleet's drain estimate). How exact depends on the reservations it re
   carries it, the `Retry-After` header rounds it up to whole seconds). Coming back early
   cannot make the engine preempt, and the room it is owed would stand idle meanwhile:
   rounded up to a second, lockstep full-length requests left both replicas empty for
-  ~0.3 s after each batch (88-91% of their capacity's tokens/s; 94.6-97.5% unrounded).
+  ~0.3 s after each batch (88.0% and 88.8% of their capacity's tokens/s in two paired
+  runs; 94.6% and 97.5% unrounded).
 - otherwise whole seconds, from `min_retry_after_s` (1 s): with lengths that vary the
-  estimate is rough, and clients brought back sooner filled the cache sooner: the mix
-  lost 5-19% of its tokens/s per round to the preemptions and tightening that followed.
+  estimate is rough, and clients brought back sooner filled the cache sooner: on the same
+  request sequences the mix made 773-957 tok/s a round unrounded, 950-1,026 in whole
+  seconds, through the preemptions and tightening that followed.
 
 Across gateways (issue 15). An engine's gauges see every gateway's requests; one
 gateway's reservations see only its own. What a single gateway cannot know is the
