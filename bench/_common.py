@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -60,8 +62,43 @@ def free_port() -> int:
         return port
 
 
+_LIVE: dict[int, Proc] = {}  # by pid: stopped at exit, and on SIGTERM or SIGHUP
+
+
+def _stop_live() -> None:
+    for p in list(_LIVE.values()):
+        p.stop(timeout=5.0)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    # SystemExit unwinds the benchmark (its `finally` blocks stop what they started) and
+    # then runs `atexit`, which stops anything still alive. Without it a benchmark killed
+    # with SIGTERM left its sims and gateways running: each Proc is in its own session, so
+    # the signal never reaches them.
+    raise SystemExit(128 + signum)
+
+
+_exit_hooked = False
+
+
+def _stop_children_on_exit() -> None:
+    """Once, at the first child started (a benchmark's own helper processes, such as the
+    load driver, keep the default handlers)."""
+    global _exit_hooked
+    if _exit_hooked:
+        return
+    _exit_hooked = True
+    atexit.register(_stop_live)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _exit_on_signal)
+
+
 class Proc:
-    """A child process in its own session, logging to a file; `stop()` is idempotent."""
+    """A child process in its own session, logging to a file; `stop()` is idempotent.
+    Stopped when the benchmark exits, however it exits short of SIGKILL."""
 
     def __init__(
         self,
@@ -76,6 +113,7 @@ class Proc:
         self.port = port
         self.argv = list(argv)
         self.log_path = log_path
+        _stop_children_on_exit()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
         self.popen = subprocess.Popen(
@@ -87,6 +125,7 @@ class Proc:
             cwd=cwd,
             start_new_session=True,
         )
+        _LIVE[self.popen.pid] = self
 
     @property
     def pid(self) -> int:
@@ -113,6 +152,7 @@ class Proc:
         if self.alive():
             self.popen.wait(timeout=5)
         self._log.close()
+        _LIVE.pop(self.popen.pid, None)
 
     def tail(self, n: int = 20) -> str:
         try:
