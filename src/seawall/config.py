@@ -393,10 +393,11 @@ class AdmissionConfig(_Strict):
     # the same body again) takes its turn ahead of fresh requests of its tier, so that
     # clients already served cannot keep the room to themselves (policy.admission).
     # How, by `turns`: `hold` (the default) refuses it again with a Retry-After but holds
-    # the room that frees for it until it comes back (or, unseen for its Retry-After, at
-    # most queue_timeout_s, + `turn_grace_s`, it is taken to have given up), so it
-    # starts at once and nothing waits in the gateway (the first owed one back takes
-    # the room, or, once one is owed longer than queue_timeout_s, the oldest alone);
+    # the room it needs (fresh requests fit beside it) until it comes back (or, unseen
+    # for its Retry-After, at most queue_timeout_s, + `turn_grace_s`, it is taken to
+    # have given up), so it starts at once and nothing waits in the gateway (the first
+    # owed one back takes the room, or, once one is owed longer than queue_timeout_s,
+    # the oldest alone);
     # `queue` makes its next attempt wait in the queue (within queue_max and
     # queue_timeout_s), for clients that stop retrying early (the OpenAI SDKs retry
     # twice). 0: every refusal is final, and nobody takes turns.

@@ -16,11 +16,13 @@ from seawall import clock
 from seawall.config import AdmissionConfig, Timeouts
 from seawall.errors import ApiError
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
+from seawall.gateway.admission_control import AdmissionControl, _demand_of
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.inflight import Hold, InFlight
 from seawall.gateway.replicas import Replica, ReplicaSet
 from seawall.metrics import Metrics
+from seawall.policy.adaptive_admission import Demand
 from seawall.policy.admission import Refusals, Turns
 from seawall.protocol.openai import parse
 
@@ -190,6 +192,32 @@ async def test_held_the_room_waits_for_the_request_refused_twice_and_it_starts_a
     # Its turn is used: a fresh request may take the next room.
     fleet.holds.pop(0).release()
     assert await fleet.admit("incumbent's next") == 200
+
+
+async def test_the_room_held_for_a_turn_is_what_it_needs_and_fresh_requests_fit_beside_it() -> None:
+    """Holding all the room while any turn was owed snowballed: fresh requests refused
+    beside room enough for them were refused twice and owed turns themselves, and in the
+    mixed chats of bench_admission the engines ran 6-8 of the 12 clients' requests for
+    seconds with their caches 30-60% full."""
+    fleet = Fleet(turns="hold")
+    assert await fleet.admit("patient") == 429
+    assert await fleet.admit("patient") == 429  # owed a turn
+    fleet.holds.pop(0).release()
+    fleet.holds.pop(0).release()  # room for two: one held for "patient", one free
+    assert await fleet.admit("fresh") == 200
+    assert await fleet.admit("another fresh one") == 429  # only its room is left
+    assert await fleet.admit("patient") == 200
+
+
+def test_adaptive_admission_judges_a_fresh_request_with_the_turns_owed_as_one_demand() -> None:
+    """The adaptive controller's side of the same rule: the needs add up (tokens, expected
+    lengths; spreads as variances), so the room found beside the turns is theirs too."""
+    from seawall.gateway.admission_control import Combined
+
+    a, b = Demand(100, 1000, 40.0, 30.0), Demand(50, 500, 20.0, 40.0)
+    c = AdmissionControl.combined([Combined(1100, a), Combined(550, b)])
+    assert int(c) == 1650
+    assert _demand_of(c) == Demand(150, 1500, 60.0, 50.0)
 
 
 def test_the_oldest_turn_goes_first_once_it_is_overdue() -> None:

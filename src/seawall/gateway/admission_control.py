@@ -183,6 +183,24 @@ class AdmissionControl:
             return None
         return decision.reason
 
+    @staticmethod
+    def combined(needs: list[int]) -> int:
+        """Requests' needs as one (`FleetAdmission._beside`): tokens and expected lengths
+        add, spreads add as variances; the first one's priority. Whole blocks are taken
+        of the sum, so it may come out a block or so under the requests' blocks apart."""
+        demands = [_demand_of(n) for n in needs]
+        first = demands[0]
+        return Combined(
+            sum(int(n) for n in needs),
+            Demand(
+                sum(d.prompt_tokens for d in demands),
+                sum(d.max_tokens for d in demands),
+                sum(d.expected_tokens for d in demands),
+                math.sqrt(sum(d.spread_tokens**2 for d in demands)),
+                first.priority,
+            ),
+        )
+
     def hold(self, replica_id: str, need_tokens: int, now: float) -> Hold | None:
         """The decision for a request on one replica, with its Retry-After (or None when it
         would be admitted or the replica has not been seen)."""
@@ -363,7 +381,18 @@ def _cold_group(ticket: AdmissionTicket) -> tuple[str, str]:
     return ticket.key[0], length_class(ticket.demand.max_tokens)
 
 
+class Combined(int):
+    """Several requests' worst-case tokens as one int, carrying their summed `Demand`."""
+
+    demand: Demand
+
+    def __new__(cls, worst_tokens: int, demand: Demand) -> Combined:
+        obj = super().__new__(cls, worst_tokens)
+        obj.demand = demand
+        return obj
+
+
 def _demand_of(need_tokens: int) -> Demand:
-    if isinstance(need_tokens, ReserveTokens):
+    if isinstance(need_tokens, (ReserveTokens, Combined)):
         return need_tokens.demand
     return Demand(0, int(need_tokens), float(need_tokens), 0.0)

@@ -170,10 +170,16 @@ class FleetAdmission:
         if turns is not None and len(turns):
             key = self._key(ctx)
             mine = turns.holds(key, now)
-            ahead = ahead or (not mine and turns.owed_ahead(model, ctx.priority, now))
             # A turn owed for longer than anything may wait in the gateway goes first.
             first = turns.first_overdue(model, ctx.priority, now, cfg.queue_timeout_s)
             ahead = ahead or (first is not None and first != key)
+            if free and not ahead and not mine:
+                owed = turns.owed_needs(model, ctx.priority, now)
+                if owed:
+                    # The room held for the requests owed a turn is what they need, not
+                    # all of it: a fresh request is admitted where it fits beside them.
+                    beside, _ = self._reach(ctx, now, self._beside(need, owed))
+                    ahead = not beside
         if free and not ahead:
             if len(refusals):
                 refusals.served(key or self._key(ctx))
@@ -219,7 +225,7 @@ class FleetAdmission:
                 # At most `queue_timeout_s` (and the grace): the longest anything waits for
                 # room in the gateway, and a client that gave up holds no room longer.
                 hold = min(retry_after, cfg.queue_timeout_s) + cfg.turn_grace_s
-                turns.grant(key, model, ctx.priority, now + hold, now)
+                turns.grant(key, model, ctx.priority, now + hold, now, need)
             if free:  # there was room, held for requests refused before this one
                 raise rate_limited(
                     f"The room on the replicas serving `{model}` is held for requests "
@@ -283,11 +289,21 @@ class FleetAdmission:
             h.update(ctx.req.raw)
         return h.digest()
 
-    def _reach(self, ctx: RequestCtx, now: float) -> tuple[list[Replica], list[Replica]]:
+    def _beside(self, need: int, owed: list[int]) -> int:
+        """One request's need with the needs of those owed a turn: the room they all take."""
+        if self.control is not None:
+            return self.control.combined([need, *owed])
+        return int(need) + sum(int(x) for x in owed)
+
+    def _reach(
+        self, ctx: RequestCtx, now: float, need: int | None = None
+    ) -> tuple[list[Replica], list[Replica]]:
         """The replicas this request may use: its pools, as its tier allows (pools.py).
         Kept on `ctx.reach` for the dispatcher's first choice, which follows without a
-        pause when the request is admitted."""
-        need = ctx.reserve_tokens
+        pause when the request is admitted. `need`: the room to find, when more than the
+        request's own (`_beside`)."""
+        if need is None:
+            need = ctx.reserve_tokens
         if self.pools is None:
             reach = one_pool_reach(self.replicas, ctx.model, now, need_tokens=need)
         else:
