@@ -57,7 +57,9 @@ Figures per run:
 - TTFT p50/p99: of served requests, from sending the attempt that was served to its first
   content token; wait p99: from the request's first attempt (429 back-offs included);
 - shed, shed p99 (client-observed 429 latency), and for `full` the quiet prober's shed
-  p99 (one blocking client in its own process, a 1-token request every 20 ms);
+  p99 (one blocking client in its own process, a 1-token request every 20 ms) beside its
+  `GET /health` p99 (sent after each, on the same connection: the gateway answering with
+  no admission work under the same load, the floor a 429 cannot beat on this machine);
 - level: the adaptive controller's reserve level (`seawall_admission_reserve_level`, max
   over replicas) at the end of the load, and its peak. Every run's samples (per replica
   preemptions and running, the level, every 0.25 s; and from the gateway's admin API each
@@ -527,6 +529,7 @@ class Result:
     samples: list[Sample]
     replicas: int
     probe_shed: list[float] = field(default_factory=list)
+    probe_health: list[float] = field(default_factory=list)  # the prober's GET /health
     rounds: list[Result] = field(default_factory=list)  # pooled: the runs it pools
 
     @property
@@ -591,6 +594,7 @@ def pooled(runs: list[Result]) -> Result:
         samples=[s for r in runs for s in r.samples],
         replicas=first.replicas,
         probe_shed=[x for r in runs for x in r.probe_shed],
+        probe_health=[x for r in runs for x in r.probe_health],
         rounds=runs,
     )
 
@@ -671,6 +675,7 @@ async def run_one(
         samples=samples,
         replicas=args.replicas,
         probe_shed=probed.get("shed_s", []),
+        probe_health=probed.get("health_s", []),
     )
 
 
@@ -719,7 +724,7 @@ def report(w: Workload, results: list[Result], seconds: float, capacity: int) ->
         [
             "run", "clients", "preempt", "rate/replica", "peak 10s", "max run", "done", "cut",
             "starved", "tok/s", "TTFT p50 ms", "p99", "wait p99 ms", "shed", "shed p99 ms",
-            "probe p99 ms", "level end", "peak",
+            "probe p99 ms", "/health p99", "level end", "peak",
         ],
         [
             [
@@ -728,7 +733,7 @@ def report(w: Workload, results: list[Result], seconds: float, capacity: int) ->
                 r.load.starved, r.tokens_per_s, _ms(percentile(r.load.ttft, 50)),
                 _ms(percentile(r.load.ttft, 99)), _ms(percentile(r.load.wait, 99)),
                 len(r.load.shed_latency), _ms(percentile(r.load.shed_latency, 99)),
-                _ms(percentile(r.probe_shed, 99)),
+                _ms(percentile(r.probe_shed, 99)), _ms(percentile(r.probe_health, 99)),
                 "-" if r.level_end(seconds) is None else f"{r.level_end(seconds):+.2f}",
                 "-" if r.level_peak() is None else f"{r.level_peak():+.2f}",
             ]
@@ -769,7 +774,11 @@ def report(w: Workload, results: list[Result], seconds: float, capacity: int) ->
             goals.append(f"tok/s {ratio:.1%} of capacity {verdict(ratio >= GOAL_CAPACITY_FULL)}")
         if w.ignore_eos and r.probe_shed:
             p = percentile(r.probe_shed, 99)
-            goals.append(f"probe shed p99 {_ms(p):.1f} ms {verdict(p < GOAL_SHED_P99_S)}")
+            floor = percentile(r.probe_health, 99)
+            goals.append(
+                f"probe shed p99 {_ms(p):.1f} ms {verdict(p < GOAL_SHED_P99_S)} "
+                f"(its GET /health p99 {_ms(floor):.1f} ms)"
+            )
         goals.append(f"starved {r.load.starved} {verdict(r.load.starved == 0)}")
         if w.after_shift is not None:
             for k, one in enumerate(r.rounds or [r]):
@@ -861,7 +870,9 @@ async def amain(args: argparse.Namespace) -> int:
 
 def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     """The quiet prober: one blocking client in its own process, one small request every
-    `interval` s for `seconds`; prints {"shed_s": [429 latencies], "served": n}."""
+    `interval` s for `seconds`, each followed by a `GET /health` on the same connection
+    (the floor: the gateway answering with no admission work, under the same load);
+    prints {"shed_s": [429 latencies], "health_s": [/health latencies], "served": n}."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -870,6 +881,7 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
     shed: list[float] = []
+    health: list[float] = []
     served = 0
     deadline = time.monotonic() + seconds
     for _ in range(int(seconds / interval) + 1):
@@ -889,9 +901,19 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
             shed.append(elapsed)
         else:
             served += 1
+        try:
+            sent = time.perf_counter()
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            elapsed = time.perf_counter() - sent
+            r.read()
+            if r.status == 200:
+                health.append(elapsed)
+        except (OSError, http.client.HTTPException):
+            conn.close()
         time.sleep(interval)
     conn.close()
-    print(json.dumps({"shed_s": shed, "served": served}))
+    print(json.dumps({"shed_s": shed, "health_s": health, "served": served}))
     return 0
 
 
