@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import pid_alive as alive
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -38,18 +40,6 @@ SCRIPT = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes (its parent, the benchmark, has exited).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

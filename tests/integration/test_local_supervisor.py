@@ -28,6 +28,7 @@ from seawall.actuate.local import (
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.monitor import FleetMonitor
 from seawall.up.fleet import MonitorFeed
+from tests.support.procs import pid_alive as alive
 
 pytestmark = pytest.mark.integration
 
@@ -56,19 +57,6 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def fake(load_s: float = 0.0, *extra: str) -> list[str]:
     return [sys.executable, "-c", FAKE_ENGINE, "{port}", str(load_s), *extra]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def until(cond: object, timeout_s: float = 20.0) -> None:

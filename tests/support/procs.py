@@ -44,6 +44,19 @@ def module_artifacts(name: str) -> Path:
     return path
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as dead: its parent has not reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
