@@ -16,7 +16,7 @@ from seawall import clock
 from seawall.config import AdmissionConfig, Timeouts
 from seawall.errors import ApiError
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
-from seawall.gateway.admission_control import AdmissionControl, _demand_of
+from seawall.gateway.admission_control import _demand_of, combined
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.inflight import Hold, InFlight
@@ -215,7 +215,7 @@ def test_adaptive_admission_judges_a_fresh_request_with_the_turns_owed_as_one_de
     from seawall.gateway.admission_control import Combined
 
     a, b = Demand(100, 1000, 40.0, 30.0), Demand(50, 500, 20.0, 40.0)
-    c = AdmissionControl.combined([Combined(1100, a), Combined(550, b)])
+    c = combined([Combined(1100, a), Combined(550, b)])
     assert int(c) == 1650
     assert _demand_of(c) == Demand(150, 1500, 60.0, 50.0)
 

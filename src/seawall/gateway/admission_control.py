@@ -183,24 +183,6 @@ class AdmissionControl:
             return None
         return decision.reason
 
-    @staticmethod
-    def combined(needs: list[int]) -> int:
-        """Requests' needs as one (`FleetAdmission._beside`): tokens and expected lengths
-        add, spreads add as variances; the first one's priority. Whole blocks are taken
-        of the sum, so it may come out a block or so under the requests' blocks apart."""
-        demands = [_demand_of(n) for n in needs]
-        first = demands[0]
-        return Combined(
-            sum(int(n) for n in needs),
-            Demand(
-                sum(d.prompt_tokens for d in demands),
-                sum(d.max_tokens for d in demands),
-                sum(d.expected_tokens for d in demands),
-                math.sqrt(sum(d.spread_tokens**2 for d in demands)),
-                first.priority,
-            ),
-        )
-
     def hold(self, replica_id: str, need_tokens: int, now: float) -> Hold | None:
         """The decision for a request on one replica, with its Retry-After (or None when it
         would be admitted or the replica has not been seen)."""
@@ -390,6 +372,25 @@ class Combined(int):
         obj = super().__new__(cls, worst_tokens)
         obj.demand = demand
         return obj
+
+
+def combined(needs: list[int]) -> int:
+    """Several requests' needs as one, for either admission mode (a turn's room, held beside
+    a fresh request's): worst-case tokens add (what the reserve rule reads as an int), and
+    for the adaptive controller tokens and expected lengths add and spreads add as
+    variances, with the first one's priority. Whole blocks are taken of the sum, so it may
+    come out a block or so under the requests' blocks apart."""
+    demands = [_demand_of(n) for n in needs]
+    return Combined(
+        sum(int(n) for n in needs),
+        Demand(
+            sum(d.prompt_tokens for d in demands),
+            sum(d.max_tokens for d in demands),
+            sum(d.expected_tokens for d in demands),
+            math.sqrt(sum(d.spread_tokens**2 for d in demands)),
+            demands[0].priority,
+        ),
+    )
 
 
 def _demand_of(need_tokens: int) -> Demand:

@@ -35,7 +35,7 @@ from seawall.cluster.report import KV_HELD, KV_WANTED, SEQS_HELD, SEQS_WANTED
 from seawall.config import AdmissionConfig
 from seawall.errors import rate_limited
 from seawall.fleet.view import EngineLoad, FleetSnapshot, ReplicaView
-from seawall.gateway.admission_control import AdmissionControl
+from seawall.gateway.admission_control import AdmissionControl, combined
 from seawall.gateway.context import RequestCtx
 from seawall.gateway.fleet_quota import Grants, ReplicaGrant, capacity_of
 from seawall.gateway.pools import PoolRouter, one_pool_reach
@@ -178,7 +178,7 @@ class FleetAdmission:
                 if owed:
                     # The room held for the requests owed a turn is what they need, not
                     # all of it: a fresh request is admitted where it fits beside them.
-                    beside, _ = self._reach(ctx, now, self._beside(need, owed))
+                    beside, _ = self._reach(ctx, now, combined([need, *owed]))
                     ahead = not beside
         if free and not ahead:
             if len(refusals):
@@ -289,19 +289,13 @@ class FleetAdmission:
             h.update(ctx.req.raw)
         return h.digest()
 
-    def _beside(self, need: int, owed: list[int]) -> int:
-        """One request's need with the needs of those owed a turn: the room they all take."""
-        if self.control is not None:
-            return self.control.combined([need, *owed])
-        return int(need) + sum(int(x) for x in owed)
-
     def _reach(
         self, ctx: RequestCtx, now: float, need: int | None = None
     ) -> tuple[list[Replica], list[Replica]]:
         """The replicas this request may use: its pools, as its tier allows (pools.py).
         Kept on `ctx.reach` for the dispatcher's first choice, which follows without a
         pause when the request is admitted. `need`: the room to find, when more than the
-        request's own (`_beside`)."""
+        request's own (`combined`)."""
         if need is None:
             need = ctx.reserve_tokens
         if self.pools is None:

@@ -345,8 +345,7 @@ class Turns:
     def owed_needs(self, model: str, priority: int, now: float) -> list[int]:
         """What the requests owed a turn at `priority` or a better one reserve: the room
         held for them, which a fresh request may not take (beside it, it may)."""
-        self._expire(now)
-        if not any(m == model and p <= priority for m, p in self._count):
+        if not self.owed_ahead(model, priority, now):
             return []
         return [e[4] for e in self._owed.values() if e[0] == model and e[1] <= priority]
 
