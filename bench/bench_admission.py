@@ -883,34 +883,33 @@ def probe_main(url: str, seconds: float, interval: float = 0.02) -> int:
     shed: list[float] = []
     health: list[float] = []
     served = 0
+
+    def timed(method: str, path: str, payload: bytes | None = None) -> tuple[int, float] | None:
+        """(status, seconds to the response's headers), or None if the connection failed."""
+        sent = time.perf_counter()
+        try:
+            conn.request(method, path, payload, headers if payload else {})
+            r = conn.getresponse()
+            elapsed = time.perf_counter() - sent
+            r.read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            return None
+        return r.status, elapsed
+
     deadline = time.monotonic() + seconds
     for _ in range(int(seconds / interval) + 1):
         if time.monotonic() >= deadline:
             break
-        sent = time.perf_counter()
-        try:
-            conn.request("POST", "/v1/completions", body, headers)
-            r = conn.getresponse()
-            elapsed = time.perf_counter() - sent
-            r.read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            time.sleep(interval)
-            continue
-        if r.status == 429:
-            shed.append(elapsed)
-        else:
-            served += 1
-        try:
-            sent = time.perf_counter()
-            conn.request("GET", "/health")
-            r = conn.getresponse()
-            elapsed = time.perf_counter() - sent
-            r.read()
-            if r.status == 200:
-                health.append(elapsed)
-        except (OSError, http.client.HTTPException):
-            conn.close()
+        answer = timed("POST", "/v1/completions", body)
+        if answer is not None:
+            if answer[0] == 429:
+                shed.append(answer[1])
+            else:
+                served += 1
+            floor = timed("GET", "/health")
+            if floor is not None and floor[0] == 200:
+                health.append(floor[1])
         time.sleep(interval)
     conn.close()
     print(json.dumps({"shed_s": shed, "health_s": health, "served": served}))
