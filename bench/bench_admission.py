@@ -332,6 +332,10 @@ class Load:
     cut: int = 0
     starved: int = 0  # clients shed at least once and never served during the run
     other: dict[str, int] = field(default_factory=dict)  # errors other than 429
+    # Per served request: when its served attempt was sent (s into the run), its TTFT,
+    # its natural length (-1: not computed) and how many 429s it met first; dumped
+    # beside the samples, so a TTFT tail can be matched to what the engines were doing.
+    served: list[tuple[float, float, int, int]] = field(default_factory=list)
 
     def error(self, what: str) -> None:
         self.other[what] = self.other.get(what, 0) + 1
@@ -357,7 +361,8 @@ async def run_clients(
     max_attempts = 100_000  # a count bound on top of the time bound
 
     async def one_request(session: aiohttp.ClientSession, served: list[bool]) -> bool:
-        prompt, _ = prompts.next(shifted=time.monotonic() >= shift_at)
+        prompt, natural = prompts.next(shifted=time.monotonic() >= shift_at)
+        refused = 0
         body: dict[str, Any] = {
             "model": MODEL,
             "prompt": prompt,
@@ -376,6 +381,7 @@ async def run_clients(
                 if r.status == 429:
                     load.shed_latency.append(time.perf_counter() - sent)
                     shed = True
+                    refused += 1
                     why = _shed_reason(await r.read())
                     load.shed_why[why] = load.shed_why.get(why, 0) + 1
                     try:  # retry-after-ms first, as the OpenAI SDKs read them
@@ -402,6 +408,8 @@ async def run_clients(
                         ttft = now - sent
                         load.ttft.append(ttft)
                         load.wait.append(now - first)
+                        at = time.monotonic() - started - ttft
+                        load.served.append((round(at, 4), round(ttft, 5), natural, refused))
                     if line.startswith(b"data: [DONE]"):
                         load.done += 1
                         return shed
@@ -848,6 +856,8 @@ async def amain(args: argparse.Namespace) -> int:
                         / f"{w.name}-{mode}{f'-{k + 1}' if args.rounds > 1 else ''}-samples.json"
                     )
                     dump.write_text(json.dumps([s.__dict__ for s in res.samples]))
+                    requests = dump.with_name(dump.name.replace("-samples", "-requests"))
+                    requests.write_text(json.dumps(res.load.served))
                     print(
                         f"  {tag}: {time.monotonic() - t:.0f}s, preemptions "
                         f"{int(res.preemptions)}, tok/s {res.tokens_per_s:.0f}, "
