@@ -101,7 +101,10 @@ class Fleet:
             await self.admission.admit(ctx)
         except ApiError as e:
             return e.status
-        self.holds.append(self.ledger.hold("r0", 13))  # it runs
+        hold = self.ledger.hold("r0", 13)  # it runs
+        if ctx.admission is not None:  # the adaptive controller counts it, as dispatch binds
+            ctx.admission.bind("r0", hold)
+        self.holds.append(hold)
         return 200
 
 
@@ -206,6 +209,27 @@ async def test_the_room_held_for_a_turn_is_what_it_needs_and_fresh_requests_fit_
     fleet.holds.pop(0).release()  # room for two: one held for "patient", one free
     assert await fleet.admit("fresh") == 200
     assert await fleet.admit("another fresh one") == 429  # only its room is left
+    assert await fleet.admit("patient") == 200
+
+
+async def test_adaptive_admission_lets_a_fresh_request_in_beside_the_room_held_for_a_turn() -> None:
+    """The same rule through the adaptive controller (the default mode), which counts the
+    requests it admitted (their tickets bound to the attempt's hold), not the ledger's
+    holds. At a cold start each reserves prompt + max_tokens (190 tokens: 12 blocks), so
+    13 fill the 159-block cache."""
+    fleet = Fleet(mode="adaptive", turns="hold")
+    for hold in fleet.holds:  # the ledger's own holds, which this controller does not read
+        hold.release()
+    fleet.holds.clear()
+    for i in range(13):
+        assert await fleet.admit(f"running {i}") == 200
+    assert await fleet.admit("patient") == 429
+    assert await fleet.admit("patient") == 429  # owed a turn
+    fleet.holds.pop(0).release()
+    assert await fleet.admit("fresh") == 429  # one request's room: held for "patient"
+    fleet.holds.pop(0).release()  # room for two: one held for "patient", one free
+    assert await fleet.admit("another fresh one") == 200
+    assert await fleet.admit("a third") == 429  # only the held room is left
     assert await fleet.admit("patient") == 200
 
 
