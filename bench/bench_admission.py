@@ -65,7 +65,8 @@ Figures per run:
   preemptions and running, the level, every 0.25 s; and from the gateway's admin API each
   replica's controller cause, KV blocks reserved / limit, requests in flight, and why a
   request would be refused there now) go to `<workload>-<mode>-samples.json` in the log
-  directory.
+  directory, and every served request (when its served attempt was sent, its TTFT, its
+  natural length, the 429s it met first) to `<workload>-<mode>-requests.json` beside it.
 Goals (PASS/MISS), adaptive against none in the same workload: preemption rate per replica
 under the alert's 0.5/s; TTFT p99 no worse; no client starved; for eos/mix/shift tokens/s
 >= 95% of none's; for full preemptions <= 5% of none's and tokens/s >= 90% of the capacity
