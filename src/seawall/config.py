@@ -350,6 +350,7 @@ class AdaptiveAdmissionConfig(_Strict):
     fresh_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.fresh_s
     lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.lookahead_s
     hold_lookahead_s: Annotated[float, Field(ge=0)] = _ADAPTIVE.hold_lookahead_s
+    hold_while_resuming: bool = _ADAPTIVE.hold_while_resuming
     min_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.min_retry_after_s
     min_exact_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.min_exact_retry_after_s
     max_retry_after_s: Annotated[float, Field(gt=0)] = _ADAPTIVE.max_retry_after_s

@@ -131,7 +131,16 @@ Admission, per request (`decide`):
    of admission off's tokens/s in two paired runs of three rounds, against 98.3% with the
    hold looking at the scrape's age only (99.2% with no look-ahead anywhere, but then the
    shift tightened no earlier than its first preemption in two of three rounds; with it,
-   0.5-0.9 s before). The shift and EOS workloads: 98.2% and 99.1% (99.7% and 98.6% before). Not
+   0.5-0.9 s before). The shift and EOS workloads: 98.2% and 99.1% (99.7% and 98.6% before).
+   Opt-in (`hold_while_resuming`, off by default): after a preemption, while the engine's
+   queue is not empty, hold too. vLLM resumes preempted requests before anything that
+   arrives after them; their blocks freed, the gauge reads low and reservations have
+   room, but a request admitted then waits behind them: in one full bench_admission run
+   (README), five mixed-chat requests admitted so waited 0.9-2.2 s for their first
+   token, which set the mix's TTFT p99 (935 ms against 100 without admission). One paired
+   run with it on (mix, shift, EOS; three rounds): 95.8%, 98.0% and 100.0% of admission
+   off's tokens/s (97.4%, 97.0% and 99.5% off), but no such episode happened in that run
+   either way, so what it buys is not yet measured: off until it is. Not
    when, alone on the replica (`quota` 1), the requests in flight and this one all fit at
    their worst case (as the plain reserve rule, which ignores the gauge): then nothing
    can outgrow, and a gauge scraped before a request finished would hold its room until
@@ -205,6 +214,7 @@ class ControlConfig:
     metrics_max_age_s: float = 5.0
     lookahead_s: float = 0.5
     hold_lookahead_s: float = 0.0  # near full reads the gauge over its age only (see 3.)
+    hold_while_resuming: bool = False  # after a preemption, until the queue empties (3.)
     trend_tau_s: float = 1.0
     completion_window_s: float = 10.0
     min_retry_after_s: float = 1.0  # whole seconds where lengths vary
@@ -548,6 +558,7 @@ class ReplicaAdmission:
     _refused_at: float = -math.inf
     _completion_rate: float = 0.0
     _completion_at: float | None = None
+    _resuming: bool = False  # preempted requests may be waiting to resume
 
     # -- feedback --------------------------------------------------------------------
 
@@ -579,6 +590,10 @@ class ReplicaAdmission:
         if cur.preemptions_total is not None and prev.preemptions_total is not None:
             preempted = max(0.0, cur.preemptions_total - prev.preemptions_total)  # reset: 0
         self._preempt_rate = self._preempt_rate * decay + preempted / cfg.preemption_window_s
+        if preempted > 0:
+            self._resuming = True  # the preempted wait at the head of the engine's queue
+        elif not load.waiting:
+            self._resuming = False  # resumed (or the queue is not exported)
         if cur.kv_usage is not None and prev.kv_usage is not None:
             a = 1.0 - math.exp(-dt / cfg.trend_tau_s)
             self._kv_slope += a * ((cur.kv_usage - prev.kv_usage) / dt - self._kv_slope)
@@ -769,6 +784,15 @@ class ReplicaAdmission:
                     level >= 1.0
                     or (reserved.worst_blocks == reserved.expected_blocks and worst == expected),
                 ),
+            )
+        waiting = load.waiting or 0
+        if cfg.hold_while_resuming and self._resuming and waiting > 0:
+            # The engine resumes its preempted requests before anything that arrives after
+            # them: a request admitted now would wait behind them (opt-in, see 3.).
+            return Hold(
+                HoldKind.near_full,
+                f"{waiting:g} requests waiting after a preemption: the engine resumes them first",
+                self._retry_after(waiting, now, False),
             )
         kv = load.kv_usage
         if kv is not None and (quota < 1.0 or reserved.worst_blocks + worst > limit):
