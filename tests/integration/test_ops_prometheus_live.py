@@ -221,7 +221,10 @@ def test_prometheus_stores_the_names_as_measured(stack: dict[str, Proc]) -> None
 
 def test_drift_check_sees_what_prometheus_stores(stack: dict[str, Proc]) -> None:
     prom, sim2 = stack["prometheus"], stack["sim2"]
-    _wait_until(lambda: _names_stored(prom, RAW_JOB), "the unrelabelled job's first scrape")
+    # Each job's first scrape, not only one's: checked before it, a job reads as storing
+    # none of the names (CI once ran this test before the engines job was first scraped).
+    for job in (RAW_JOB, "engines", "seawall"):
+        _wait_until(lambda j=job: _names_stored(prom, j), f"the {job} job's first scrape")
     for job in ("engines", "seawall"):
         ok = _check("--prometheus-url", prom.url, "--job", job)
         assert ok.returncode == 0, ok.stdout + ok.stderr
