@@ -139,8 +139,9 @@ Admission, per request (`decide`):
    (README), five mixed-chat requests admitted so waited 0.9-2.2 s for their first
    token, which set the mix's TTFT p99 (935 ms against 100 without admission). One paired
    run with it on (mix, shift, EOS; three rounds): 95.8%, 98.0% and 100.0% of admission
-   off's tokens/s (97.4%, 97.0% and 99.5% off), but no such episode happened in that run
-   either way, so what it buys is not yet measured: off until it is. Not
+   off's tokens/s (97.4%, 97.0% and 99.5% off), and the mix's slowest first token 769 ms
+   on against 2,196 ms off (3,461 ms without admission): one request each way, too few to
+   move a p99 of ~370 samples, so what it buys is not yet measured: off until it is. Not
    when, alone on the replica (`quota` 1), the requests in flight and this one all fit at
    their worst case (as the plain reserve rule, which ignores the gauge): then nothing
    can outgrow, and a gauge scraped before a request finished would hold its room until
