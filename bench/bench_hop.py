@@ -1,0 +1,154 @@
+"""What one hop through `seawall serve` adds to a lone request's time to first token.
+
+    python bench/bench_hop.py [--rounds 200] [--max-tokens 8]
+
+One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`) and
+`tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
+machine). Each round sends one streamed chat request to each of the three, in random
+order, one at a time, 20-60 ms apart, each on its own kept-alive connection (as guidellm's
+httpx client does), and times the write to the first non-empty content in the stream. A
+lone request is where a proxy's own latency is least hidden by queueing: issue 14's
+guidellm comparison asks it to be within the noise of direct runs.
+
+Prints per target: TTFT p50 / p90 / mean (ms) and its p50 minus direct's, and the
+gateway's share beyond the relay. Bounded: `--rounds` x 3 requests, 127.0.0.1 only. The
+sim batches on 10 ms steps, so a target's TTFT moves by a millisecond between runs: read
+the differences of one run, whose targets interleave, not figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    Proc,
+    free_port,
+    machine_context,
+    percentile,
+    print_table,
+    seawall_env,
+    sim_argv,
+    wait_http,
+)
+
+MODEL = "sim-model"
+
+
+class Client:
+    """One kept-alive HTTP/1.1 connection, one request at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def ttft_s(self, n: int, max_tokens: int) -> float:
+        if self.streams is None:
+            self.streams = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self.streams
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"request {n}: " + "hello " * 20}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,  # the sim samples EOS: an answer could be empty
+                "stream": True,
+            }
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sent = time.perf_counter()
+        writer.write(head + body)
+        buf = b""
+        first: float | None = None
+        while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's end: the connection is free
+            chunk = await reader.read(65536)
+            if not chunk:
+                raise ConnectionError(f"127.0.0.1:{self.port} closed the connection")
+            buf += chunk
+            if first is None and b'"content":"' in buf.replace(b'"content":""', b""):
+                first = time.perf_counter() - sent
+        if first is None:
+            raise RuntimeError(f"no content from 127.0.0.1:{self.port}: {buf[-600:]!r}")
+        return first
+
+
+async def measure(targets: dict[str, int], rounds: int, max_tokens: int) -> dict[str, list[float]]:
+    clients = {name: Client(port) for name, port in targets.items()}
+    got: dict[str, list[float]] = {name: [] for name in targets}
+    rng = random.Random(14)
+    for n in range(rounds):
+        for name in rng.sample(list(targets), len(targets)):
+            got[name].append(await clients[name].ttft_s(n, max_tokens))
+            await asyncio.sleep(rng.uniform(0.02, 0.06))
+    for c in clients.values():
+        if c.streams is not None:
+            c.streams[1].close()
+    return got
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=200, help="requests to each target")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    print(machine_context())
+    work = Path(tempfile.mkdtemp(prefix="bench-hop-"))
+    procs: list[Proc] = []
+    try:
+        sim_port = free_port()
+        sim = Proc(
+            "sim", sim_argv(sim_port, MODEL), work / "sim.log", seawall_env(), REPO, sim_port
+        )
+        procs.append(sim)
+        wait_http(f"http://127.0.0.1:{sim_port}/health", 30, sim)
+        gw_port = free_port()
+        argv = [sys.executable, "-m", "seawall", "serve", "--port", str(gw_port)]
+        argv += ["--no-access-log", "--replica", f"http://127.0.0.1:{sim_port}"]
+        gateway = Proc("gateway", argv, work / "gateway.log", seawall_env(), REPO, gw_port)
+        procs.append(gateway)
+        wait_http(f"http://127.0.0.1:{gw_port}/readyz?fleet=1", 30, gateway)
+        relay_port = free_port()
+        relay_argv = [sys.executable, str(REPO / "bench" / "tcp_relay.py")]
+        relay_argv += [str(relay_port), str(sim_port)]
+        relay = Proc("relay", relay_argv, work / "relay.log", seawall_env(), REPO, relay_port)
+        procs.append(relay)
+        wait_http(f"http://127.0.0.1:{relay_port}/health", 30, relay)
+        targets = {"direct": sim_port, "seawall": gw_port, "tcp-relay": relay_port}
+        got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    p50 = {name: percentile(v, 50) * 1e3 for name, v in got.items()}
+    rows = []
+    for name, v in got.items():
+        ms = [x * 1e3 for x in v]
+        rows.append(
+            [
+                name, len(ms), f"{p50[name]:.2f}", f"{percentile(ms, 90):.2f}",
+                f"{sum(ms) / len(ms):.2f}", f"{p50[name] - p50['direct']:+.2f}",
+            ]
+        )  # fmt: skip
+    print(
+        f"\none request at a time, {args.rounds} to each target in random order, "
+        f"{args.max_tokens} output tokens, one sim replica\n"
+    )
+    print_table(["target", "n", "TTFT p50 ms", "p90", "mean", "p50 minus direct"], rows)
+    print(f"\nSeawall beyond the byte relay (p50): {p50['seawall'] - p50['tcp-relay']:+.2f} ms")
+    print(f"logs: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
