@@ -204,6 +204,28 @@ def start_vllm_router(
     return proc, peer_version("vllm-router", "vllm_router")
 
 
+def start_plain_gateway(upstreams: list[str], log: Path) -> Proc:
+    """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
+    `--replica` (no config file, no access log), ready with a usable replica."""
+    port = free_port()
+    argv = [sys.executable, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
+    for u in upstreams:
+        argv += ["--replica", u]
+    proc = Proc("gateway", argv, log, seawall_env(), REPO, port)
+    wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, proc)
+    return proc
+
+
+def start_tcp_relay(upstream_port: int, log: Path) -> Proc:
+    """`tcp_relay.py` (a byte relay: the floor under any proxy's hop) on a free 127.0.0.1
+    port in front of 127.0.0.1:`upstream_port`, ready."""
+    port = free_port()
+    argv = [sys.executable, str(REPO / "bench" / "tcp_relay.py"), str(port), str(upstream_port)]
+    proc = Proc("tcp-relay", argv, log, seawall_env(), REPO, port)
+    wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
+    return proc
+
+
 def wait_http(url: str, timeout: float, proc: Proc | None = None, ok: int = 200) -> None:
     """Poll `url` until it answers `ok`, or raise after `timeout` seconds."""
     deadline = time.monotonic() + timeout

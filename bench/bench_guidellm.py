@@ -45,6 +45,8 @@ from _common import (  # noqa: E402
     print_table,
     seawall_env,
     sim_argv,
+    start_plain_gateway,
+    start_tcp_relay,
     start_vllm_router,
     wait_http,
 )
@@ -86,14 +88,9 @@ def main() -> int:
         for sim in sims:
             wait_http(f"http://127.0.0.1:{sim.port}/health", 30, sim)
         upstreams = [f"http://127.0.0.1:{sim.port}" for sim in sims]
-        port = free_port()
-        argv = [sys.executable, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
-        for u in upstreams:
-            argv += ["--replica", u]
-        gateway = Proc("gateway", argv, work / "gateway.log", seawall_env(), REPO, port)
+        gateway = start_plain_gateway(upstreams, work / "gateway.log")
         procs.append(gateway)
-        wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, gateway)
-        proxies["gateway"] = f"http://127.0.0.1:{port}"
+        proxies["gateway"] = f"http://127.0.0.1:{gateway.port}"
         if args.peers:
             port = free_port()
             router, notes["vllm-router"] = start_vllm_router(
@@ -103,23 +100,10 @@ def main() -> int:
             proxies["vllm-router"] = f"http://127.0.0.1:{port}"
 
         if args.floor:
-            port = free_port()
-            relay = Proc(
-                "tcp-relay",
-                [
-                    sys.executable,
-                    str(REPO / "bench" / "tcp_relay.py"),
-                    str(port),
-                    str(sims[0].port),
-                ],
-                work / "tcp-relay.log",
-                seawall_env(),
-                REPO,
-                port,
-            )
+            assert sims[0].port is not None
+            relay = start_tcp_relay(sims[0].port, work / "tcp-relay.log")
             procs.append(relay)
-            wait_http(f"http://127.0.0.1:{port}/health", 30, relay)
-            proxies["tcp-relay"] = f"http://127.0.0.1:{port}"
+            proxies["tcp-relay"] = f"http://127.0.0.1:{relay.port}"
 
         direct = upstreams[0]
         results: list[dict[str, guidellm.Result]] = []

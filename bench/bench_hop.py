@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
+    REPO,
     Proc,
     free_port,
     machine_context,
@@ -38,6 +38,8 @@ from _common import (  # noqa: E402
     print_table,
     seawall_env,
     sim_argv,
+    start_plain_gateway,
+    start_tcp_relay,
     wait_http,
 )
 
@@ -113,19 +115,12 @@ def main() -> int:
         )
         procs.append(sim)
         wait_http(f"http://127.0.0.1:{sim_port}/health", 30, sim)
-        gw_port = free_port()
-        argv = [sys.executable, "-m", "seawall", "serve", "--port", str(gw_port)]
-        argv += ["--no-access-log", "--replica", f"http://127.0.0.1:{sim_port}"]
-        gateway = Proc("gateway", argv, work / "gateway.log", seawall_env(), REPO, gw_port)
+        gateway = start_plain_gateway([f"http://127.0.0.1:{sim_port}"], work / "gateway.log")
         procs.append(gateway)
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz?fleet=1", 30, gateway)
-        relay_port = free_port()
-        relay_argv = [sys.executable, str(REPO / "bench" / "tcp_relay.py")]
-        relay_argv += [str(relay_port), str(sim_port)]
-        relay = Proc("relay", relay_argv, work / "relay.log", seawall_env(), REPO, relay_port)
+        relay = start_tcp_relay(sim_port, work / "tcp-relay.log")
         procs.append(relay)
-        wait_http(f"http://127.0.0.1:{relay_port}/health", 30, relay)
-        targets = {"direct": sim_port, "seawall": gw_port, "tcp-relay": relay_port}
+        assert gateway.port is not None and relay.port is not None
+        targets = {"direct": sim_port, "seawall": gateway.port, "tcp-relay": relay.port}
         got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
     finally:
         for p in reversed(procs):
