@@ -132,20 +132,22 @@ Admission, per request (`decide`):
    hold looking at the scrape's age only (99.2% with no look-ahead anywhere, but then the
    shift tightened no earlier than its first preemption in two of three rounds; with it,
    0.5-0.9 s before). The shift and EOS workloads: 98.2% and 99.1% (99.7% and 98.6% before).
+   Not when, alone on the replica (`quota` 1), the requests in flight and this one all
+   fit at their worst case (as the plain reserve rule, which ignores the gauge): then
+   nothing can outgrow, and a gauge scraped before a request finished would hold its room
+   until the next scrape (one lockstep full-length round: 820 tok/s against 788-800 with
+   it).
    Opt-in (`hold_while_resuming`, off by default): after a preemption, while the engine's
    queue is not empty, hold too. vLLM resumes preempted requests before anything that
    arrives after them; their blocks freed, the gauge reads low and reservations have
    room, but a request admitted then waits behind them: in one full bench_admission run
-   (README), five mixed-chat requests admitted so waited 0.9-2.2 s for their first
-   token, which set the mix's TTFT p99 (935 ms against 100 without admission). One paired
-   run with it on (mix, shift, EOS; three rounds): 95.8%, 98.0% and 100.0% of admission
-   off's tokens/s (97.4%, 97.0% and 99.5% off), and the mix's slowest first token 769 ms
-   on against 2,196 ms off (3,461 ms without admission): one request each way, too few to
-   move a p99 of ~370 samples, so what it buys is not yet measured: off until it is. Not
-   when, alone on the replica (`quota` 1), the requests in flight and this one all fit at
-   their worst case (as the plain reserve rule, which ignores the gauge): then nothing
-   can outgrow, and a gauge scraped before a request finished would hold its room until
-   the next scrape (one lockstep full-length round: 820 tok/s against 788-800 with it).
+   (README), six mixed-chat requests admitted so waited 0.9-3.0 s for their first token
+   (five of them in one round), which set the mix's TTFT p99 (935 ms against 100 without
+   admission). One paired run with it on (mix, shift, EOS; three rounds): 95.8%, 98.0%
+   and 100.0% of admission off's tokens/s (97.4%, 97.0% and 99.5% off), and the mix's
+   slowest first token 769 ms on against 2,196 ms off (3,461 ms without admission): one
+   request each way, too few to move a p99 of ~370 samples, so what it buys is not yet
+   measured: off until it is.
 4. otherwise admit. A replica with nothing of ours in flight admits unless stale (the
    engine queues what does not fit; this gateway cannot make that worse), unless this
    gateway holds only a share of it (`quota` < 1): the others may fill the rest.
@@ -786,14 +788,14 @@ class ReplicaAdmission:
                     or (reserved.worst_blocks == reserved.expected_blocks and worst == expected),
                 ),
             )
-        waiting = load.waiting or 0
-        if cfg.hold_while_resuming and self._resuming and waiting > 0:
+        if cfg.hold_while_resuming and self._resuming and load.waiting:
             # The engine resumes its preempted requests before anything that arrives after
             # them: a request admitted now would wait behind them (opt-in, see 3.).
             return Hold(
                 HoldKind.near_full,
-                f"{waiting:g} requests waiting after a preemption: the engine resumes them first",
-                self._retry_after(waiting, now, False),
+                f"{load.waiting:g} requests waiting after a preemption: the engine resumes "
+                "them first",
+                self._retry_after(load.waiting, now, False),
             )
         kv = load.kv_usage
         if kv is not None and (quota < 1.0 or reserved.worst_blocks + worst > limit):
