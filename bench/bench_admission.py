@@ -375,13 +375,11 @@ async def run_clients(
             body["ignore_eos"] = True
         data = json.dumps(body).encode()
         first = time.perf_counter()
-        shed = False
         while time.monotonic() < deadline:
             sent = time.perf_counter()
             async with session.post(url + "/v1/completions", data=data, headers=headers) as r:
                 if r.status == 429:
                     load.shed_latency.append(time.perf_counter() - sent)
-                    shed = True
                     refused += 1
                     why = _shed_reason(await r.read())
                     load.shed_why[why] = load.shed_why.get(why, 0) + 1
@@ -400,7 +398,7 @@ async def run_clients(
                     load.error(f"http {r.status}")
                     await r.read()
                     await asyncio.sleep(args.backoff)
-                    return shed
+                    return refused > 0
                 served[0] = True
                 ttft = None
                 async for line in r.content:
@@ -413,10 +411,10 @@ async def run_clients(
                         load.served.append((round(at, 4), round(ttft, 5), natural, refused))
                     if line.startswith(b"data: [DONE]"):
                         load.done += 1
-                        return shed
+                        return refused > 0
                 load.error("stream ended without [DONE]")
-                return shed
-        return shed
+                return refused > 0
+        return refused > 0
 
     async def client(session: aiohttp.ClientSession) -> None:
         served = [False]
