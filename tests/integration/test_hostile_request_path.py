@@ -44,6 +44,17 @@ def tenants() -> dict[str, object]:
     }
 
 
+def gold_records(log: str) -> list[dict[str, Any]]:
+    # Polled while the flood logs thousands of refusals: parse only the gold tenant's lines.
+    lines = "\n".join(line for line in log.splitlines() if '"tenant":"gold"' in line)
+    return [r for r in access_records(lines) if r["tenant"] == "gold"]
+
+
+def waited(gold: list[dict[str, Any]]) -> bool:
+    """Whether a gold request waited for room (beyond the door's own few milliseconds)."""
+    return any(g["queued_s"] > 0.05 for g in gold)
+
+
 def test_without_a_key_nothing_but_401_and_no_body_is_read(artifacts: Path) -> None:
     """Item 2: a caller without a valid key must not learn the model list from a 404, nor
     get body errors, and the gateway must not read more than the headers."""
@@ -156,9 +167,13 @@ def test_the_gold_tier_is_served_while_an_unlimited_lower_tier_is_shed(artifacts
             15,
             what="the lower tier saturating the fleet and being shed",
         )
-        statuses = []
+        # Whether a given gold request finds the fleet full depends on when the flood's streams
+        # end (and, on a loaded machine, how fast the flood refills them): send gold requests
+        # one at a time, at least 4 and at most 12, until one of them has had to wait.
+        statuses: list[int] = []
+        gold: list[dict[str, Any]] = []
         with httpx.Client(timeout=30) as c:
-            for _ in range(4):
+            while len(gold) < 12 and (len(gold) < 4 or not waited(gold)):
                 with c.stream(
                     "POST",
                     gw.url + "/v1/completions",
@@ -167,23 +182,24 @@ def test_the_gold_tier_is_served_while_an_unlimited_lower_tier_is_shed(artifacts
                 ) as r:
                     statuses.append(r.status_code)
                     next(r.iter_raw(), b"")  # its first token; then leave
+                # Its record is written once the gateway sees its client gone.
+                wait_until(
+                    lambda: len(gold_records(gw.log())) == len(statuses),
+                    15,
+                    interval=0.1,
+                    what="the gold request's access record",
+                )
+                gold = gold_records(gw.log())
         assert flood.alive(), "the flood ended before the gold requests did"
         flood.stop()
-        # Each gold request's record is written once the gateway sees its client gone.
-        wait_until(
-            lambda: sum(r["tenant"] == "gold" for r in access_records(gw.log())) == 4,
-            15,
-            what="the gold requests' access records",
-        )
         records = access_records(gw.log())
-    assert statuses == [200] * 4
-    gold = [r for r in records if r["tenant"] == "gold"]
+    assert statuses == [200] * len(gold)
     # A lower-tier request is admitted or shed as it arrives, except one refused twice
     # already, which waits its turn (queue_after_refusals) behind every gold request.
     free_admitted = [r for r in records if r["tenant"] == "free" and r["ttft_s"]]
     shed_free = [r for r in records if r["tenant"] == "free" and r["status"] == 429]
-    assert len(gold) == 4 and len(shed_free) > 100
-    assert any(g["queued_s"] > 0.05 for g in gold)  # gold did have to wait for room
+    assert len(shed_free) > 100
+    assert waited(gold), f"no gold request of {len(gold)} had to wait for room: {gold}"
     for g in gold:
         # Margins for the log's millisecond stamps.
         waiting = (g["arrived"] + 0.02, g["arrived"] + g["queued_s"] - 0.02)
