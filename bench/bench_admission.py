@@ -155,11 +155,14 @@ WORKLOADS = {
 class Prompts:
     """The requests of one run: prompts of known natural length, drawn by class.
 
-    `seed` draws the classes (the n-th request of the run is short or long), `pool_seed`
-    the prompts. The runs of a round share `seed` and differ in `pool_seed`: every mode
-    meets the same sequence of short and long requests (with 15% long generations, how
-    many a run happens to draw moves its tokens/s by several percent), while no prompt is
-    sent twice to the same sims (their prefix cache would flatter the later run)."""
+    `seed` draws the classes (the n-th request of the run is short or long) and, within a
+    class, the n-th request's length; `pool_seed` the prompts. The runs of a round share
+    `seed` and differ in `pool_seed`: every mode meets the same sequence of lengths (to
+    within 2%, at least 2 tokens), while no prompt is sent twice to the same sims (their
+    prefix cache would flatter the later run). Drawing the length from each mode's own
+    prompts, as before, gave the modes of a round different long generations (one mode's
+    round met five that ran to max_tokens, another's one), which moved tokens/s between
+    modes by several percent in every run: more than the differences being measured."""
 
     def __init__(
         self, w: Workload, args: argparse.Namespace, seed: int, pool_seed: int | None = None
@@ -167,17 +170,30 @@ class Prompts:
         self.w = w
         self.args = args
         self.rng = random.Random(seed)
+        self.lengths = LengthPool(seed, args.prompt_tokens, w.max_tokens)  # the round's
         self.pool = LengthPool(
             seed if pool_seed is None else pool_seed, args.prompt_tokens, w.max_tokens
         )
+        self.targets: dict[tuple[int, int], list[int]] = {}  # each class's lengths, in order
         self.ready: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        self.used: dict[tuple[int, int], int] = {}
+
+    def _matched(self, lo: int, hi: int, k: int) -> tuple[str, int]:
+        """A prompt of this run's pool for the k-th request of class [lo, hi]: of the
+        length the round's sequence gives that request."""
+        targets = self.targets.setdefault((lo, hi), [])
+        while len(targets) <= k:
+            targets.append(self.lengths.take(lo, hi)[1])
+        n = targets[k]
+        tol = max(2, n // 50)
+        return self.pool.take(max(lo, n - tol), min(hi, n + tol))
 
     def prepare(self, counts: dict[tuple[int, int], int]) -> None:
         """Generate before the load (about 0.5 ms per candidate) so the load never waits."""
         for (lo, hi), n in counts.items():
             bucket = self.ready.setdefault((lo, hi), [])
             while len(bucket) < n:
-                bucket.append(self.pool.take(lo, hi))
+                bucket.append(self._matched(lo, hi, len(bucket)))
 
     def next(self, shifted: bool) -> tuple[str, int]:
         w = self.w
@@ -192,10 +208,12 @@ class Prompts:
             if roll <= 0:
                 lo, hi = a, b
                 break
-        bucket = self.ready.get((lo, hi))
-        if bucket:
-            return bucket.pop()
-        return self.pool.take(lo, hi)  # ran out of prepared ones: make one now
+        k = self.used.get((lo, hi), 0)
+        self.used[(lo, hi)] = k + 1
+        bucket = self.ready.get((lo, hi), [])
+        if k < len(bucket):
+            return bucket[k]
+        return self._matched(lo, hi, k)  # ran out of prepared ones: make one now
 
 
 def mean_blocks(w: Workload, args: argparse.Namespace) -> float:
