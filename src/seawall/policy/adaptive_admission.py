@@ -14,6 +14,14 @@ again) is what burns capacity. So this controller reserves on learned lengths, l
 engine's own gauges say when that bet is going wrong, and tightens toward the worst case
 only then.
 
+Figures. Those below that compare one setting against another in the same run (paired
+runs of bench_admission, "x% at A, y% at B") were measured before 28f56c3, when each mode
+of a round drew its requests' lengths within a class from its own prompts; the variant's
+slot met easier long generations in rounds 2 and 3 of every such run, whatever the
+variant. They say which way a setting moved one sequence, not by how much; re-measure
+before relying on one. With every mode meeting the same lengths, the defaults met every
+goal of issue 17 in one full run (README).
+
 What it takes from proven systems (read in their sources):
 - vLLM 0.33's scheduler (`v1/core/sched/scheduler.py`, `kv_cache_manager.py`): a waiting
   request is admitted when its *current* sequence fits in free blocks, with no thought for
