@@ -165,6 +165,9 @@ async def test_status_page_shows_the_fleet_and_follows_a_dead_engine_live(
             )
             assert await page.js(cell("r0", "routable")) == "yes"
             assert await page.js(cell("r1", "node")) == "node-1"
+            # Issue 17: each replica's admission controller, its level, blocks and cause.
+            adm = await page.js(cell("r0", "admission"))
+            assert re.fullmatch(r"\d\.\d\d · \d+/\d+ blocks · [a-z_]+", adm or ""), adm
             await page.js("window.notReloaded = true")
 
             # The engine dies (its /health answers 503; the process lingers 30 s).
