@@ -161,7 +161,7 @@ class Prompts:
     within 2%, at least 2 tokens), while no prompt is sent twice to the same sims (their
     prefix cache would flatter the later run). Drawing the length from each mode's own
     prompts, as before, gave the modes of a round different long generations (one mode's
-    round met five that ran to max_tokens, another's one), which moved tokens/s between
+    round met at least five that ran to max_tokens, another's one), which moved tokens/s between
     modes by several percent in every run: more than the differences being measured."""
 
     def __init__(

@@ -236,7 +236,8 @@ def test_a_rising_cache_just_scraped_under_the_hold_still_admits() -> None:
 def test_opted_in_nothing_is_admitted_behind_preempted_requests_until_they_resume() -> None:
     """vLLM resumes preempted requests before anything that arrived after them. Admitted
     while they waited (their blocks freed, the gauge low), a request waited behind them:
-    in a bench_admission mix run, five waited 0.9-2.2 s for their first token."""
+    in one bench_admission run (88f224e), six mixed-chat requests waited 0.9-3.0 s for
+    their first token."""
     c = ReplicaAdmission(ControlConfig(hold_while_resuming=True))
     two = holding(eos(), eos())
     c.observe(load(0.0, kv=0.90, running=2), two, 0.0)

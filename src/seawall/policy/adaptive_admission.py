@@ -151,7 +151,7 @@ Admission, per request (`decide`):
    queue is not empty, hold too. vLLM resumes preempted requests before anything that
    arrives after them; their blocks freed, the gauge reads low and reservations have
    room, but a request admitted then waits behind them: in one full bench_admission run
-   (README), six mixed-chat requests admitted so waited 0.9-3.0 s for their first token
+   (on 88f224e), six mixed-chat requests admitted so waited 0.9-3.0 s for their first token
    (five of them in one round), which set the mix's TTFT p99 (935 ms against 100 without
    admission). One paired run with it on (mix, shift, EOS; three rounds): 95.8%, 98.0%
    and 100.0% of admission off's tokens/s (97.4%, 97.0% and 99.5% off), and the mix's
