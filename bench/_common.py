@@ -226,6 +226,16 @@ def start_tcp_relay(upstream_port: int, log: Path) -> Proc:
     return proc
 
 
+def start_py_proxy(upstream_port: int, log: Path) -> Proc:
+    """`py_proxy.py` (the least a Python HTTP proxy does per request: the floor under a
+    Python gateway) on a free 127.0.0.1 port in front of 127.0.0.1:`upstream_port`, ready."""
+    port = free_port()
+    argv = [sys.executable, str(REPO / "bench" / "py_proxy.py"), str(port), str(upstream_port)]
+    proc = Proc("py-proxy", argv, log, seawall_env(), REPO, port)
+    wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
+    return proc
+
+
 def wait_http(url: str, timeout: float, proc: Proc | None = None, ok: int = 200) -> None:
     """Poll `url` until it answers `ok`, or raise after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,9 @@ spread over N, direct still uses the first). The two direct runs of a round give
 noise: a proxy matches direct when its difference from the round's direct mean is within
 the two direct runs' spread. `--floor` adds `tcp_relay.py`, a byte relay with no HTTP
 in front of the first replica: the part of any proxy's hop that one more process and two
-more loopback hops cost on this machine, which no proxy can go under. `--rounds N`
+more loopback hops cost on this machine, which no proxy can go under; and `py_proxy.py`,
+which parses HTTP and JSON and relays from the socket callback and does nothing else: the
+floor under a gateway written in Python. `--rounds N`
 repeats the whole sequence N times (the proxies stay up), so the verdict can be read over
 rounds rather than from one. Each run has its own data seed, so no run reuses another's
 prompts from the sims' prefix cache.
@@ -46,6 +48,7 @@ from _common import (  # noqa: E402
     seawall_env,
     sim_argv,
     start_plain_gateway,
+    start_py_proxy,
     start_tcp_relay,
     start_vllm_router,
     wait_http,
@@ -64,7 +67,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="direct, proxies, direct; N times")
     parser.add_argument("--peers", action="store_true", help="also through vllm-router")
     parser.add_argument(
-        "--floor", action="store_true", help="also through a byte relay (no HTTP): the floor"
+        "--floor",
+        action="store_true",
+        help="also through a byte relay (no HTTP) and a do-nothing Python proxy: the floors",
     )
     args = parser.parse_args()
     if guidellm.binary() is None:
@@ -104,6 +109,9 @@ def main() -> int:
             relay = start_tcp_relay(sims[0].port, work / "tcp-relay.log")
             procs.append(relay)
             proxies["tcp-relay"] = f"http://127.0.0.1:{relay.port}"
+            py_proxy = start_py_proxy(sims[0].port, work / "py-proxy.log")
+            procs.append(py_proxy)
+            proxies["py-proxy"] = f"http://127.0.0.1:{py_proxy.port}"
 
         direct = upstreams[0]
         results: list[dict[str, guidellm.Result]] = []

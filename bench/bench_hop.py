@@ -2,18 +2,22 @@
 
     python bench/bench_hop.py [--rounds 200] [--max-tokens 8]
 
-One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`) and
+One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
-machine). Each round sends one streamed chat request to each of the three, in random
-order, one at a time, 20-60 ms apart, each on its own kept-alive connection (as guidellm's
-httpx client does), and times the write to the first non-empty content in the stream. A
-lone request is where a proxy's own latency is least hidden by queueing: issue 14's
-guidellm comparison asks it to be within the noise of direct runs.
+machine) and `py_proxy.py` (httptools, orjson and Seawall's upstream client, relaying from
+the socket callback and doing nothing else: the floor under a Python gateway). Each round
+sends one streamed chat request to each of the four, in random order, one at a time,
+20-60 ms apart, each on its own kept-alive connection (as guidellm's httpx client does),
+and times the write to the first non-empty content in the stream. A lone request is
+where a proxy's own latency is least hidden by queueing: issue 14's guidellm comparison
+asks it to be within the noise of direct runs.
 
-Prints per target: TTFT p50 / p90 / mean (ms) and its p50 minus direct's, and the
-gateway's share beyond the relay. Bounded: `--rounds` x 3 requests, 127.0.0.1 only. The
-sim batches on 10 ms steps, so a target's TTFT moves by a millisecond between runs: read
-the differences of one run, whose targets interleave, not figures across runs.
+Prints per target: TTFT p50 / p90 / mean (ms) and its p50 minus direct's, then the hop in
+three parts: one more process (the relay over direct), Python's HTTP handling (py-proxy
+over the relay) and Seawall's own work (the gateway over py-proxy). Bounded: `--rounds`
+x 4 requests, 127.0.0.1 only. The sim batches on 10 ms steps, so a target's TTFT moves
+by a millisecond between runs: read the differences of one run, whose targets
+interleave, not figures across runs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from _common import (
     seawall_env,
     sim_argv,
     start_plain_gateway,
+    start_py_proxy,
     start_tcp_relay,
     wait_http,
 )
@@ -119,8 +124,15 @@ def main() -> int:
         procs.append(gateway)
         relay = start_tcp_relay(sim_port, work / "tcp-relay.log")
         procs.append(relay)
-        assert gateway.port is not None and relay.port is not None
-        targets = {"direct": sim_port, "seawall": gateway.port, "tcp-relay": relay.port}
+        py_proxy = start_py_proxy(sim_port, work / "py-proxy.log")
+        procs.append(py_proxy)
+        assert gateway.port is not None and relay.port is not None and py_proxy.port is not None
+        targets = {
+            "direct": sim_port,
+            "seawall": gateway.port,
+            "tcp-relay": relay.port,
+            "py-proxy": py_proxy.port,
+        }
         got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
     finally:
         for p in reversed(procs):
@@ -140,7 +152,13 @@ def main() -> int:
         f"{args.max_tokens} output tokens, one sim replica\n"
     )
     print_table(["target", "n", "TTFT p50 ms", "p90", "mean", "p50 minus direct"], rows)
-    print(f"\nSeawall beyond the byte relay (p50): {p50['seawall'] - p50['tcp-relay']:+.2f} ms")
+    print(
+        f"\nthe hop's parts (p50): one more process {p50['tcp-relay'] - p50['direct']:+.2f} ms "
+        f"(tcp-relay), Python's HTTP handling {p50['py-proxy'] - p50['tcp-relay']:+.2f} ms "
+        f"(py-proxy beyond tcp-relay), Seawall's own work {p50['seawall'] - p50['py-proxy']:+.2f} "
+        f"ms (beyond py-proxy); Seawall beyond the byte relay "
+        f"{p50['seawall'] - p50['tcp-relay']:+.2f} ms"
+    )
     print(f"logs: {work}")
     return 0
 
