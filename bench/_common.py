@@ -216,22 +216,19 @@ def start_plain_gateway(upstreams: list[str], log: Path) -> Proc:
     return proc
 
 
-def start_tcp_relay(upstream_port: int, log: Path) -> Proc:
-    """`tcp_relay.py` (a byte relay: the floor under any proxy's hop) on a free 127.0.0.1
-    port in front of 127.0.0.1:`upstream_port`, ready."""
-    port = free_port()
-    argv = [sys.executable, str(REPO / "bench" / "tcp_relay.py"), str(port), str(upstream_port)]
-    proc = Proc("tcp-relay", argv, log, seawall_env(), REPO, port)
-    wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
-    return proc
+# The floors under a proxy's hop (bench_hop.py, bench_guidellm.py --floor), each a script
+# taking LISTEN_PORT UPSTREAM_PORT: `tcp_relay.py` relays bytes and parses nothing (what
+# one more process costs); `py_proxy.py` parses HTTP and JSON and does nothing else (the
+# floor under a gateway written in Python).
+FLOORS = ("tcp_relay", "py_proxy")
 
 
-def start_py_proxy(upstream_port: int, log: Path) -> Proc:
-    """`py_proxy.py` (the least a Python HTTP proxy does per request: the floor under a
-    Python gateway) on a free 127.0.0.1 port in front of 127.0.0.1:`upstream_port`, ready."""
+def start_floor(script: str, upstream_port: int, log: Path) -> Proc:
+    """`bench/<script>.py` (one of `FLOORS`) on a free 127.0.0.1 port in front of
+    127.0.0.1:`upstream_port`, ready; its process is named as its script, with a dash."""
     port = free_port()
-    argv = [sys.executable, str(REPO / "bench" / "py_proxy.py"), str(port), str(upstream_port)]
-    proc = Proc("py-proxy", argv, log, seawall_env(), REPO, port)
+    argv = [sys.executable, str(REPO / "bench" / f"{script}.py"), str(port), str(upstream_port)]
+    proc = Proc(script.replace("_", "-"), argv, log, seawall_env(), REPO, port)
     wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
     return proc
 

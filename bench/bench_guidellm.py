@@ -41,15 +41,15 @@ sys.path.insert(0, str(REPO))
 from tests.support import guidellm  # noqa: E402
 
 from _common import (  # noqa: E402
+    FLOORS,
     Proc,
     free_port,
     machine_context,
     print_table,
     seawall_env,
     sim_argv,
+    start_floor,
     start_plain_gateway,
-    start_py_proxy,
-    start_tcp_relay,
     start_vllm_router,
     wait_http,
 )
@@ -106,12 +106,10 @@ def main() -> int:
 
         if args.floor:
             assert sims[0].port is not None
-            relay = start_tcp_relay(sims[0].port, work / "tcp-relay.log")
-            procs.append(relay)
-            proxies["tcp-relay"] = f"http://127.0.0.1:{relay.port}"
-            py_proxy = start_py_proxy(sims[0].port, work / "py-proxy.log")
-            procs.append(py_proxy)
-            proxies["py-proxy"] = f"http://127.0.0.1:{py_proxy.port}"
+            for script in FLOORS:
+                floor = start_floor(script, sims[0].port, work / f"{script}.log")
+                procs.append(floor)
+                proxies[floor.name] = f"http://127.0.0.1:{floor.port}"
 
         direct = upstreams[0]
         results: list[dict[str, guidellm.Result]] = []

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    FLOORS,
     REPO,
     Proc,
     free_port,
@@ -42,9 +43,8 @@ from _common import (
     print_table,
     seawall_env,
     sim_argv,
+    start_floor,
     start_plain_gateway,
-    start_py_proxy,
-    start_tcp_relay,
     wait_http,
 )
 
@@ -122,17 +122,11 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{sim_port}/health", 30, sim)
         gateway = start_plain_gateway([f"http://127.0.0.1:{sim_port}"], work / "gateway.log")
         procs.append(gateway)
-        relay = start_tcp_relay(sim_port, work / "tcp-relay.log")
-        procs.append(relay)
-        py_proxy = start_py_proxy(sim_port, work / "py-proxy.log")
-        procs.append(py_proxy)
-        assert gateway.port is not None and relay.port is not None and py_proxy.port is not None
-        targets = {
-            "direct": sim_port,
-            "seawall": gateway.port,
-            "tcp-relay": relay.port,
-            "py-proxy": py_proxy.port,
-        }
+        targets = {"direct": sim_port, "seawall": gateway.port}
+        for script in FLOORS:
+            floor = start_floor(script, sim_port, work / f"{script}.log")
+            procs.append(floor)
+            targets[floor.name] = floor.port
         got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
     finally:
         for p in reversed(procs):
