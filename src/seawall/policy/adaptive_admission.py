@@ -104,7 +104,7 @@ Feedback, on each new scrape:
   shift still tightened before its first preemption. Re-measured like for like (after
   28f56c3; three rounds of mix and shift, one run): the mix made 98.6% of admission off's
   tokens/s at 0.85 and 97.2% at 0.97, the shift 97.9% and 97.6%; at 0.85 the shift
-  tightened 1.0-1.2 s before its first preemption (0.5-0.6 s at 0.97), with a TTFT p99
+  tightened 1.1-1.2 s before its first preemption (0.5-0.6 s at 0.97), with a TTFT p99
   of 113 ms (58 ms). The paired runs' five points are not there: 0.97 stays on the
   reasoning above, not on a measured gain. With several gateways, this one's
   part of the usage is its share (`quota`) of it.
