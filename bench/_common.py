@@ -204,16 +204,33 @@ def start_vllm_router(
     return proc, peer_version("vllm-router", "vllm_router")
 
 
-def start_plain_gateway(upstreams: list[str], log: Path) -> Proc:
+def start_plain_gateway(
+    upstreams: list[str], log: Path, src: Path | None = None, name: str = "gateway"
+) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
-    `--replica` (no config file, no access log), ready with a usable replica."""
+    `--replica` (no config file, no access log), ready with a usable replica. `src`:
+    another version's `src/` to run (see `checkout_src`), instead of this checkout's."""
     port = free_port()
     argv = [sys.executable, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
     for u in upstreams:
         argv += ["--replica", u]
-    proc = Proc("gateway", argv, log, seawall_env(), REPO, port)
+    env = seawall_env({"PYTHONPATH": str(src)} if src is not None else None)
+    proc = Proc(name, argv, log, env, REPO, port)
     wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, proc)
     return proc
+
+
+def checkout_src(rev: str, into: Path) -> Path:
+    """The `src/` of git revision `rev` of this repository, extracted under `into`, to run
+    that version side by side with this checkout's (a benchmark's `--base`)."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", rev, "src"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    into.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
 
 
 # The floors under a proxy's hop (bench_hop.py, bench_guidellm.py --floor), each a script
