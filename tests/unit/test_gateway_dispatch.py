@@ -67,6 +67,7 @@ class ScriptedUpstream:
         timeout_s: float,
         timeout_outcome: Attempt,
         trace: Mapping[str, str] | None = None,
+        commit: object = None,  # the relay's; these scripted streams never reach a client
     ) -> Opened:
         self.calls.append(replica.id)
         step = self.by_call.pop(0) if self.by_call is not None else self.scripts[replica.id].pop(0)

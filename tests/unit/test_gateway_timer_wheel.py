@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from seawall.gateway.idle import TICK_S, Entry, Wheel
+from seawall import clock
+from seawall.gateway import idle
+from seawall.gateway.idle import TICK_S, Entry, Expiry, Wheel
 
 
 class Clock:
@@ -96,3 +98,33 @@ def test_an_earlier_deadline_moves_the_timer_and_a_fired_entry_can_be_set_again(
     assert len(fired) == 3
     assert wheel.next_tick == pytest.approx(1030.0)
     assert len(wheel) == 1
+
+
+def test_an_expiry_disarmed_as_its_wait_ends_says_whether_the_task_may_go_on(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first token's socket callback disarms the attempt's time-to-first-token expiry
+    before it writes the token to the client (upstream._Head): the write must not happen
+    when the expiry fired in the same turn of the loop (the attempt is timing out and
+    will be retried elsewhere), and a disarmed expiry must never fire afterwards."""
+    now = Clock()
+    monkeypatch.setattr(clock, "monotonic", now)  # where an expiry reads its start
+    wheel = Wheel(loop, now)
+    idle._WHEELS[loop] = wheel  # the loop's wheel, on the test's time
+
+    async def attempt() -> None:
+        in_time = Expiry(5.0)
+        assert in_time.disarm()  # nothing cancels the task: the token may go out
+        now.t += 60.0
+        wheel._tick()
+        await asyncio.sleep(0)  # disarmed: it did not fire
+
+        too_late = Expiry(5.0)
+        now.t += 5.0 + TICK_S
+        wheel._tick()  # due in the same turn as the token's callback, which comes after
+        assert not too_late.disarm()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(0)
+        assert too_late.expired()  # the attempt reports a timeout, not a client that left
+
+    loop.run_until_complete(attempt())

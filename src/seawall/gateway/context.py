@@ -52,6 +52,7 @@ class StreamState:
     opened: Opened | None = None  # the upstream being relayed now
     events: int = 0  # SSE events relayed after the head (a completion-length count)
     last: bytes = b""  # the stream's final bytes, held to go out with its end (relay.py)
+    head_sent: bool = False  # the response's head went out from the socket callback (relay.py)
 
     @property
     def completion_tokens(self) -> int:

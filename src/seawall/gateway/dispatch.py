@@ -32,7 +32,7 @@ from seawall.gateway.migrate import counting_request
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
 from seawall.gateway.pools import PoolRouter, one_pool_reach
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
-from seawall.gateway.upstream import AttemptFailed, Opened, Upstream
+from seawall.gateway.upstream import AttemptFailed, Commit, Opened, Upstream
 from seawall.metrics import Metrics
 from seawall.policy.admission import slot_free
 from seawall.policy.deadline import first_token_wait
@@ -84,9 +84,12 @@ class Dispatcher:
 
     # -- the request's first token ------------------------------------------------------
 
-    async def open(self, ctx: RequestCtx, body: bytes | dict[str, Any]) -> Opened:
+    async def open(
+        self, ctx: RequestCtx, body: bytes | dict[str, Any], commit: Commit | None = None
+    ) -> Opened:
         """An upstream that produced the first token (or whole body), or raise the
-        client's `ApiError`."""
+        client's `ApiError`. `commit`: the relay's, to send the first token on from the
+        upstream's socket callback (not for a hedge, whose copies race to it)."""
         tried: set[str] = set()
         last: Failure | None = None
         backoff: list[float] = []
@@ -106,7 +109,7 @@ class Dispatcher:
             try:
                 if not tried - {replica.id} and self._hedge_ok(ctx):
                     return await self._hedged(ctx, replica, body, tried)
-                return await self.attempt(ctx, replica, body)
+                return await self.attempt(ctx, replica, body, commit=commit)
             except AttemptFailed as f:
                 last = f.failure
                 if f.outcome is Attempt.http_429:
@@ -154,12 +157,14 @@ class Dispatcher:
         body: bytes | dict[str, Any],
         leg: _Leg | None = None,
         ttft_s: float | None = None,
+        commit: Commit | None = None,
     ) -> Opened:
         """One attempt on `replica`, holding its in-flight claim until the returned
         `Opened` is closed (or at once, on failure). `body` as an object: the request is
         sent asking the replica's engine for per-chunk token counts (a stream that may
         migrate needs them). `leg`: one copy of a hedge. `ttft_s`: a first-token wait of
-        its own (a continuation's)."""
+        its own (a continuation's). `commit`: see `open`; not under an alias, whose
+        events the relay restamps."""
         req = ctx.req
         assert req is not None
         # A replica reached under an alias gets its own served name (and answers under
@@ -211,6 +216,7 @@ class Dispatcher:
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
                 trace,
+                commit if served is None else None,
             )
         except AttemptFailed as f:
             hold.release()

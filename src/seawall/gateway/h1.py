@@ -141,6 +141,17 @@ class H1Connection(asyncio.Protocol):
         for chunk in buffered:
             self._deliver(chunk)
 
+    def hand_back(self) -> None:
+        """From the sink, in the socket callback: stop handing reads to it; what arrives
+        from now on is kept for `read()` or the next `relay()`. Wakes `wait_sink`."""
+        self._sink = None
+        self._wake()
+
+    async def wait_sink(self) -> None:
+        """Until the sink hands back or stops, or the body ends."""
+        while self._sink is not None and not (self.complete or self.stopped):
+            await self._wait()
+
     def detach(self) -> None:
         """End the relay: whatever arrives from now on is dropped."""
         self._sink = None

@@ -209,3 +209,10 @@ class Expiry:
 
     def close(self) -> None:
         self._wheel.clear(self._entry)
+
+    def disarm(self) -> bool:
+        """Close it from a callback, at the moment the wait it bounds has ended: True when
+        the task may go on uninterrupted, False when it is already being cancelled (by
+        this expiry, in the same turn of the loop, or by anything else)."""
+        self.close()
+        return self._task.cancelling() == self._cancelling

@@ -31,6 +31,7 @@ from seawall.gateway.context import RequestCtx, new_request_id
 from seawall.gateway.dispatch import Dispatcher
 from seawall.gateway.fleet_admission import FleetAdmission
 from seawall.gateway.inflight import InFlight
+from seawall.gateway.outcomes import StreamEnd
 from seawall.gateway.relay import Relay
 from seawall.gateway.replicas import ReplicaSet
 from seawall.gateway.stack import Step
@@ -96,6 +97,9 @@ class Proxy:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
+                if ctx.stream.head_sent:
+                    # ... or as it began: its head is on the client's wire (relay.commit).
+                    return await self.relay.end_committed(request, ctx, StreamEnd.gateway_draining)
                 return self._error_response(
                     ctx,
                     unavailable(
@@ -125,7 +129,7 @@ class Proxy:
         # A stream that may migrate is sent as an object, so that each engine is asked
         # for its per-chunk token counts in its own dialect (see migrate.py).
         body = req.obj if ctx.stream.track_text else req.body_bytes()
-        opened = await self.dispatcher.open(ctx, body)
+        opened = await self.dispatcher.open(ctx, body, self.relay.commit(request, ctx))
         if not req.stream:
             return await self.relay.unary(ctx, opened)
         return await self.relay.stream(request, ctx, opened)

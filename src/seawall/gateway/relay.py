@@ -1,8 +1,11 @@
 """After the first token: relay the stream byte for byte, with the inter-token and total
 timeouts, and end it cleanly whatever happens.
 
-The head (the events up to the first token) is written through aiohttp, which also puts
-the response's headers on the wire. After it, each read from the replica is written to
+The head (the events up to the first token) goes out with the response's headers. For a
+stream relayed as the engine wrote it, to an HTTP/1.1 client, both are written from the
+upstream's socket callback the moment the first token arrives (`Relay.commit`, called
+by `upstream._Head`), as aiohttp would write them; otherwise through aiohttp, once the
+attempt's coroutine has the token. After it, each read from the replica is written to
 the client's transport from the upstream's socket callback (`_Feed.feed`), with no task
 switch per chunk; the relaying coroutine only waits for the end, a timeout, or a full
 client socket (then reading from the replica pauses until the client drains).
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 from aiohttp import HttpVersion11, web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
 
 from seawall import clock
 from seawall.gateway.context import RequestCtx, StreamState
@@ -37,7 +43,7 @@ from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body, running_count
 from seawall.gateway.outcomes import STREAM_RULES, StreamEnd, stream_error
 from seawall.gateway.replicas import Replica
-from seawall.gateway.upstream import AttemptFailed, Opened
+from seawall.gateway.upstream import AttemptFailed, Commit, Opened
 from seawall.metrics import Metrics
 from seawall.policy.retry_budget import RetryBudget
 from seawall.protocol.sse import (
@@ -62,6 +68,13 @@ from seawall.protocol.sse import (
 _TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
 
 _CLIENT_LEFT = "client_left"
+_SSE_TYPE = "text/event-stream; charset=utf-8"  # when the engine names none
+# A committed stream's head: the headers `stream` gives aiohttp, then those aiohttp adds.
+_HEAD = (
+    "HTTP/1.1 200 OK\r\nContent-Type: {}\r\nCache-Control: no-cache\r\nX-Request-Id: {}\r\n"
+    "Transfer-Encoding: chunked\r\nDate: {}\r\nServer: " + SERVER_SOFTWARE + "\r\n{}\r\n"
+)
+
 # How long a stream whose answer has ended (`[DONE]`) waits for its upstream's response to
 # end before the client is given the end anyway (and the upstream connection is closed).
 DONE_GRACE_S = 1.0
@@ -113,23 +126,62 @@ class Relay:
         finally:
             opened.close()
 
+    @staticmethod
+    def commit(request: web.Request, ctx: RequestCtx) -> Commit | None:
+        """The writer of this request's response head and first token from the upstream's
+        socket callback, or None when the stream needs more than the raw relay (events
+        to parse: `_parses_events`) or the client does not speak HTTP/1.1 (no chunks)."""
+        req = ctx.req
+        if req is None or not req.stream or _parses_events(ctx):
+            return None
+        if request.version != HttpVersion11:
+            return None
+        close = "" if request.keep_alive else "Connection: close\r\n"
+
+        def commit(headers: Mapping[str, str], out: bytes) -> bool:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return False  # the client left: the attempt's cancellation says so
+            ctype = headers.get("content-type", _SSE_TYPE)
+            if "\r" in ctype or "\n" in ctype:  # aiohttp would refuse to write it
+                ctype = _SSE_TYPE
+            head = _HEAD.format(ctype, ctx.request_id, rfc822_formatted_time(), close)
+            transport.write(head.encode("latin-1") + b"%x\r\n%b\r\n" % (len(out), out))
+            ctx.stream.head_sent = True
+            return True
+
+        return commit
+
+    async def end_committed(
+        self, request: web.Request, ctx: RequestCtx, end: StreamEnd
+    ) -> web.StreamResponse:
+        """End a stream whose head went out from the socket callback (`commit`) before the
+        relay took it over (the gateway's drain cut came in between): the error event and
+        the response's end, as `_relay` ends any broken stream."""
+        resp = _SentStream(status=200)
+        ctx.status = 200
+        ctx.error = end.value
+        self.metrics.stream_errors.labels(end.value).inc()
+        with contextlib.suppress(ConnectionResetError):
+            await resp.prepare(request)
+            await resp.write_eof(_error_event(ctx, end, 0))
+        return resp
+
     async def stream(
         self, request: web.Request, ctx: RequestCtx, opened: Opened
     ) -> web.StreamResponse:
         self.dispatcher.first_token(ctx, opened)
-        resp = _EventStream(
+        st = ctx.stream
+        resp = (_SentStream if st.head_sent else _EventStream)(
             status=200,
             headers={
-                "Content-Type": opened.conn.headers.get(
-                    "content-type", "text/event-stream; charset=utf-8"
-                ),
+                "Content-Type": opened.conn.headers.get("content-type", _SSE_TYPE),
                 "Cache-Control": "no-cache",
                 "X-Request-Id": ctx.request_id,
             },
         )
         ctx.stage = "streaming"
         ctx.status = 200
-        st = ctx.stream
         st.opened = opened
         self._counting(ctx, opened)
         if opened.hold is not None:
@@ -162,7 +214,7 @@ class Relay:
         assert opened is not None
         assert ctx.req is not None
         watch = EndWatch(ctx.req.dialect)  # events relayed, and the raw end (not openai)
-        end = await self._pump(request, ctx, opened, resp, watch)
+        end = await self._pump(request, ctx, opened, resp, watch, head_written=st.head_sent)
         while end is not StreamEnd.done and self._may_migrate(ctx, end):
             opened.replica.observe_outcome(False)
             nxt = await self._continue_elsewhere(ctx, opened.replica)
@@ -214,17 +266,14 @@ class Relay:
         opened: Opened,
         resp: web.StreamResponse,
         watch: EndWatch,
+        head_written: bool = False,
     ) -> StreamEnd:
-        """Relay until the stream ends; return how it ended."""
+        """Relay until the stream ends; return how it ended. `head_written`: the head is
+        on the client's wire already (`commit`)."""
         st = ctx.stream
         assert ctx.req is not None
         dialect = ctx.req.dialect
-        parse_events = st.strip_usage or st.track_text or ctx.reconcile
-        if dialect is not Dialect.openai and ctx.admission is not None:
-            # Adaptive admission learns the completion's length from the usage that the
-            # Responses and Anthropic dialects put in their events (the raw relay counts
-            # OpenAI chunks only).
-            parse_events = True
+        parse_events = _parses_events(ctx)
         tail = b""
         if opened.head:
             if parse_events:
@@ -245,8 +294,9 @@ class Relay:
                 # in one write (`_relay`).
                 st.last = out
                 return end
-            # Puts the headers on the wire, with the head when it has bytes (one write).
-            await resp.write(out)
+            if not head_written:
+                # Puts the headers on the wire, with the head when it has bytes (one write).
+                await resp.write(out)
             if end is not None:
                 return end
         conn = opened.conn
@@ -441,6 +491,27 @@ class _EventStream(web.StreamResponse):
     The relay writes the head at once after `prepare`, so nothing is held back."""
 
     _send_headers_immediately = False
+
+
+class _SentStream(_EventStream):
+    """A stream's response whose head went out from the upstream's socket callback
+    (`Relay.commit`): aiohttp prepares it (chunked framing, keep-alive) but does not
+    write the head again."""
+
+    async def _write_headers(self) -> None:
+        return
+
+
+def _parses_events(ctx: RequestCtx) -> bool:
+    """The stream needs event-level work (`Relay._filter`), not the raw relay."""
+    st = ctx.stream
+    if st.strip_usage or st.track_text or ctx.reconcile:
+        return True
+    # Adaptive admission learns the completion's length from the usage that the Responses
+    # and Anthropic dialects put in their events (the raw relay counts OpenAI chunks only).
+    return (
+        ctx.admission is not None and ctx.req is not None and ctx.req.dialect is not Dialect.openai
+    )
 
 
 def _without(obj: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:

@@ -7,6 +7,12 @@ error event, silence past the time-to-first-token deadline. An attempt either re
 `Opened` or raises one `AttemptFailed` whose `outcome` (an `outcomes.Attempt`) says what
 happened; the outcome's rules say whether another replica may be tried.
 
+The reads before the first token are scanned in the upstream's socket callback
+(`_Head`), and with a `commit` (the relay's, for a stream relayed as the engine wrote it)
+the first token goes on to the client from that same callback, with the response's
+head, before the attempt's coroutine runs: a lone request's first token waits for no
+task switch and no bookkeeping (`bench/bench_hop.py --base`).
+
 `Upstream` is the seam: the request path (`dispatch.py`, `relay.py`) needs only `open`
 and, once a stream is open, the `UpstreamStream` members below. `H1Upstream` is the
 production implementation over the hand-written HTTP/1.1 pool (`h1.py`); layer tests
@@ -18,7 +24,7 @@ It must not decide retries, pick replicas or touch the client: the dispatcher do
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,6 +41,10 @@ if TYPE_CHECKING:
 
 # Bodies of upstream errors are relayed to the client; cap what we hold in memory.
 _MAX_ERROR_BODY = 64 * 1024
+
+# Writes a stream's response head and first bytes to the client, from the upstream's
+# socket callback, given the upstream's headers; True once written (`relay.Relay.commit`).
+Commit = Callable[[Mapping[str, str], bytes], bool]
 
 
 class AttemptFailed(Exception):
@@ -123,10 +133,13 @@ class Upstream(Protocol):
         timeout_s: float,
         timeout_outcome: Attempt,
         trace: Mapping[str, str] | None = None,
+        commit: Commit | None = None,
     ) -> Opened:
         """Send the request and wait for its first token (streaming) or whole body;
         raise `AttemptFailed` otherwise. Cancellation closes the connection. `trace`:
-        the W3C trace context headers for the replica (see telemetry.py)."""
+        the W3C trace context headers for the replica (see telemetry.py). `commit`:
+        called with the first token's bytes the moment they arrive, unless the head
+        already ends the stream or the attempt is being cancelled."""
         ...
 
     def close(self) -> None: ...
@@ -176,9 +189,19 @@ class H1Upstream:
         timeout_s: float,
         timeout_outcome: Attempt,
         trace: Mapping[str, str] | None = None,
+        commit: Commit | None = None,
     ) -> Opened:
         return await open_attempt(
-            self.pool, replica, path, req, body, request_id, timeout_s, timeout_outcome, trace
+            self.pool,
+            replica,
+            path,
+            req,
+            body,
+            request_id,
+            timeout_s,
+            timeout_outcome,
+            trace,
+            commit,
         )
 
     def close(self) -> None:
@@ -195,6 +218,7 @@ async def open_attempt(
     timeout_s: float,
     timeout_outcome: Attempt,
     trace: Mapping[str, str] | None = None,
+    commit: Commit | None = None,
 ) -> Opened:
     """Send the request and wait for its first token (streaming) or whole body.
 
@@ -213,28 +237,14 @@ async def open_attempt(
             data = await conn.read_all()
             now = clock.monotonic()
             return Opened(replica, conn, [], SSEBuffer(), data, started, now)
-        sse = SSEBuffer()
-        classify = CLASSIFY[req.dialect]
-        head: list[Event] = []
-        while True:
-            chunk = await conn.read()
-            if not chunk:
-                raise _failed(Attempt.reset, "upstream closed before the first token")
-            got_token = False
-            # Every complete event of this read goes into the head, including those
-            # after the first token: a short answer can arrive whole in one read.
-            for raw in sse.feed(chunk):
-                ev = classify(raw)
-                if ev.kind is Kind.ERROR and not got_token:
-                    raise _failed(Attempt.error_event, _error_message(ev), status=502)
-                if ev.kind is Kind.ABORT and not got_token:
-                    # vLLM shutting down (abort mode) answers with an empty abort.
-                    raise _failed(Attempt.aborted, "upstream aborted the request")
-                head.append(ev)
-                if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
-                    got_token = True
-            if got_token:
-                return Opened(replica, conn, head, sse, None, started, clock.monotonic())
+        scan = _Head(conn, CLASSIFY[req.dialect], expiry, commit)
+        conn.relay(scan.feed)
+        await conn.wait_sink()
+        if scan.failure is not None:
+            raise scan.failure
+        if not scan.first_token_at:
+            raise _failed(Attempt.reset, "upstream closed before the first token")
+        return Opened(replica, conn, scan.events, scan.sse, None, started, scan.first_token_at)
     except AttemptFailed:
         if conn is not None:
             conn.release()  # reused when the error's body was read to its end
@@ -255,6 +265,67 @@ async def open_attempt(
         raise
     finally:
         expiry.close()
+
+
+class _Head:
+    """The sink of an upstream's reads until its first token, in the socket callback:
+    every complete event of each read goes into the head (a short answer can arrive
+    whole in one read); an error or an abort before any token fails the attempt. At the
+    first token the connection is handed back (later reads wait for the relay) and,
+    with a `commit`, the head goes to the client at once: unless it already ends the
+    stream (the relay writes that with the response's end), or the attempt is being
+    cancelled (its time ran out in this same turn of the loop, the client left)."""
+
+    __slots__ = (
+        "_classify",
+        "_commit",
+        "_conn",
+        "_expiry",
+        "events",
+        "failure",
+        "first_token_at",
+        "sse",
+    )
+
+    def __init__(
+        self,
+        conn: H1Connection,
+        classify: Callable[[bytes], Event],
+        expiry: Expiry,
+        commit: Commit | None,
+    ) -> None:
+        self._conn = conn
+        self._classify = classify
+        self._expiry = expiry
+        self._commit = commit
+        self.sse = SSEBuffer()
+        self.events: list[Event] = []
+        self.failure: AttemptFailed | None = None
+        self.first_token_at = 0.0
+
+    def feed(self, data: bytes) -> bool:
+        got_token = False
+        events = self.events
+        for raw in self.sse.feed(data):
+            ev = self._classify(raw)
+            if not got_token:
+                if ev.kind is Kind.ERROR:
+                    self.failure = _failed(Attempt.error_event, _error_message(ev), status=502)
+                    return False
+                if ev.kind is Kind.ABORT:
+                    # vLLM shutting down (abort mode) answers with an empty abort.
+                    self.failure = _failed(Attempt.aborted, "upstream aborted the request")
+                    return False
+            events.append(ev)
+            if ev.kind in (Kind.TOKEN, Kind.DONE, Kind.USAGE):
+                got_token = True
+        if got_token:
+            self.first_token_at = clock.monotonic()
+            commit = self._commit
+            if commit is not None and self._expiry.disarm() and not any(e.terminal for e in events):
+                commit(self._conn.headers, b"".join(e.raw for e in events) + self.sse.pending)
+            self._conn.hand_back()
+        return True
 
 
 async def _http_failure(conn: H1Connection) -> AttemptFailed:

@@ -1,0 +1,183 @@
+"""A stream's head and first token, written from the upstream's socket callback.
+
+For a stream relayed as the engine wrote it, the gateway writes the response's head and
+the first token to the client the moment the token arrives (`relay.Relay.commit`),
+without aiohttp; a stream that needs event-level work (here: a tier with migration) is
+written through aiohttp as before. A client must not be able to tell the two apart:
+same status, same headers, valid chunked framing, keep-alive kept or closed as asked.
+And a drain cut that lands between that write and the relay taking the stream over
+must end the stream the way every cut stream ends, not answer a second time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from seawall.config import parse_config
+from seawall.gateway.app import Gateway
+from seawall.gateway.context import RequestCtx
+from seawall.gateway.upstream import Commit
+from tests.support.fleet import MODEL, running, start_gateway, start_sim
+
+pytestmark = pytest.mark.integration
+
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about sea walls."}],
+    "max_tokens": 6,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+class Exchange:
+    """One kept-alive HTTP/1.1 connection, read byte by byte as a client parses it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, body: dict[str, Any], close: bool = False) -> tuple[str, dict, bytes]:
+        if self.streams is None:
+            self.streams = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self.streams
+        data = json.dumps(body).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            + (b"Connection: close\r\n" if close else b"")
+            + b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
+        )
+        status = (await reader.readuntil(b"\r\n")).decode().strip()
+        headers: dict[str, str] = {}
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode().partition(":")
+            assert name.lower() not in headers, f"{name} sent twice"
+            headers[name.lower()] = value.strip()
+        assert headers.get("transfer-encoding") == "chunked", headers
+        body_out = b""
+        while True:  # chunked framing, strictly
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            assert chunk.endswith(b"\r\n"), chunk
+            if size == 0:
+                break
+            body_out += chunk[:-2]
+        return status, headers, body_out
+
+    async def closed_by_server(self) -> bool:
+        assert self.streams is not None
+        return await asyncio.wait_for(self.streams[0].read(1), 5) == b""
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+
+
+def events(body: bytes) -> list[str]:
+    return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+
+
+def test_a_stream_reads_the_same_whichever_path_wrote_its_head(artifacts: Path) -> None:
+    sim = start_sim(artifacts)
+    with running(sim):
+        raw = start_gateway(artifacts, [sim], name="raw")  # the head from the callback
+        parsed = start_gateway(  # migration tracks the text: the head through aiohttp
+            artifacts, [sim], {"tiers": {"default": {"migrate": True}}}, name="parsed"
+        )
+        with running(raw, parsed):
+
+            async def drive(port: int) -> tuple[list[tuple[str, dict, bytes]], bool]:
+                conn = Exchange(port)
+                try:
+                    got = [await conn.post(CHAT), await conn.post(CHAT)]  # kept alive
+                    got.append(await conn.post(CHAT, close=True))
+                    return got, await conn.closed_by_server()
+                finally:
+                    conn.close()
+
+            async def both() -> list[tuple[list[tuple[str, dict, bytes]], bool]]:
+                return [await drive(raw.port or 0), await drive(parsed.port or 0)]
+
+            (raw_got, raw_closed), (parsed_got, parsed_closed) = asyncio.run(both())
+
+    assert raw_closed and parsed_closed  # `Connection: close` honoured on both paths
+    for (r_status, r_headers, r_body), (p_status, p_headers, p_body) in zip(
+        raw_got, parsed_got, strict=True
+    ):
+        assert r_status == p_status == "HTTP/1.1 200 OK"
+        # Same headers, same values, but for the per-response ones.
+        assert r_headers.keys() == p_headers.keys(), (r_headers, p_headers)
+        for name in r_headers.keys() - {"date", "x-request-id"}:
+            assert r_headers[name] == p_headers[name], name
+        assert r_headers["content-type"].startswith("text/event-stream")
+        assert r_headers["cache-control"] == "no-cache"
+        for body in (r_body, p_body):
+            evs = events(body)
+            assert evs[-1] == "[DONE]"
+            text = "".join(
+                c["delta"].get("content") or "" for e in evs[:-1] for c in json.loads(e)["choices"]
+            )
+            assert text, body  # a whole answer, its first token included
+    assert raw_got[2][1]["connection"] == parsed_got[2][1]["connection"] == "close"
+    assert "connection" not in raw_got[0][1]  # HTTP/1.1 keep-alive: no header, as aiohttp
+
+
+def test_a_drain_cut_between_the_first_token_and_the_relay_ends_the_stream(
+    artifacts: Path,
+) -> None:
+    """The cut is made from inside the commit, right after the head went out: the same
+    turn of the loop as the socket callback, before the attempt's coroutine runs again.
+    (An in-process gateway, so the test can place the cut there; the engine is a real
+    `seawall sim`.) The client must read a 200 stream that ends with the draining error
+    and `[DONE]` in valid chunked framing, not a 503 written after the stream's head."""
+    sim = start_sim(artifacts)
+    with running(sim):
+
+        async def main() -> tuple[int, bytes, float]:
+            config = {"replicas": [{"url": sim.url, "model": MODEL}], "listen": {"port": 0}}
+            gw = Gateway(parse_config(config), access_log=False)
+            port = await gw.start()
+            relay = gw.proxy.relay
+            real = relay.commit
+
+            def commit_then_cut(request: aiohttp.web.Request, ctx: RequestCtx) -> Commit | None:
+                inner = real(request, ctx)
+                assert inner is not None  # a plain stream: the callback path
+
+                def commit(headers: Any, out: bytes) -> bool:
+                    written = inner(headers, out)
+                    assert ctx.ticket is not None
+                    ctx.ticket.cut("drain deadline")
+                    return written
+
+                return commit
+
+            relay.commit = commit_then_cut  # type: ignore[method-assign]
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(500):  # until the fleet monitor has found the replica
+                        async with s.get(f"http://127.0.0.1:{port}/readyz?fleet=1") as r:
+                            if r.status == 200:
+                                break
+                        await asyncio.sleep(0.02)
+                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    async with s.post(url, json=CHAT) as r:
+                        body = await r.read()  # raises on broken chunked framing
+                        status = r.status
+                cut = gw.metrics.stream_errors.labels("gateway_draining")._value.get()
+                return status, body, cut
+            finally:
+                await gw.close()
+
+        status, body, cut = asyncio.run(main())
+    evs = events(body)
+    assert status == 200
+    assert evs[-1] == "[DONE]"
+    error = json.loads(evs[-2])["error"]
+    assert error["code"] == "gateway_draining", error
+    assert cut == 1
