@@ -205,13 +205,18 @@ def start_vllm_router(
 
 
 def start_plain_gateway(
-    upstreams: list[str], log: Path, src: Path | None = None, name: str = "gateway"
+    upstreams: list[str],
+    log: Path,
+    src: Path | None = None,
+    name: str = "gateway",
+    python: str = sys.executable,
 ) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
     `--replica` (no config file, no access log), ready with a usable replica. `src`:
-    another version's `src/` to run (see `checkout_src`), instead of this checkout's."""
+    another version's `src/` to run (see `checkout_src`), instead of this checkout's.
+    `python`: the interpreter (another one needs Seawall's dependencies installed)."""
     port = free_port()
-    argv = [sys.executable, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
+    argv = [python, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
     for u in upstreams:
         argv += ["--replica", u]
     env = seawall_env({"PYTHONPATH": str(src)} if src is not None else None)

@@ -1,6 +1,6 @@
 """What one hop through `seawall serve` adds to a lone request's time to first token.
 
-    python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--base REV]
+    python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--base REV] [--python PY]...
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
@@ -19,7 +19,9 @@ x 4 requests, 127.0.0.1 only. The sim batches on 10 ms steps, so a target's TTFT
 by a millisecond between runs: read the differences of one run, whose targets
 interleave, not figures across runs. `--base REV` adds a fifth target, the gateway as
 of git revision REV (its `src/` extracted to the run's directory): a change to the
-request path measured against what it changes, in the same run.
+request path measured against what it changes, in the same run. `--python PY` (repeat
+it for several) adds this checkout's gateway run by another interpreter, one with
+Seawall's dependencies installed (`PY -m pip install -e .`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,6 +116,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=200, help="requests to each target")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--base", metavar="REV", help="also the gateway as of git revision REV")
+    parser.add_argument(
+        "--python",
+        metavar="PY",
+        action="append",
+        default=[],
+        help="also this checkout's gateway run by interpreter PY (repeatable)",
+    )
     args = parser.parse_args()
     print(machine_context())
     work = Path(tempfile.mkdtemp(prefix="bench-hop-"))
@@ -136,6 +146,21 @@ def main() -> int:
             )
             procs.append(base)
             targets[base.name] = base.port
+        for py in args.python:
+            version = subprocess.run(
+                [py, "-c", "import sys; print(sys.version.split()[0])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            other = start_plain_gateway(
+                [f"http://127.0.0.1:{sim_port}"],
+                work / f"python-{version}.log",
+                name=f"seawall@py{version}",
+                python=py,
+            )
+            procs.append(other)
+            targets[other.name] = other.port
         for script in FLOORS:
             floor = start_floor(script, sim_port, work / f"{script}.log")
             procs.append(floor)
