@@ -21,8 +21,13 @@ rounds rather than from one. Each run has its own data seed, so no run reuses an
 prompts from the sims' prefix cache.
 
 Prints per run: requests ok / errored, TTFT and ITL (ms) median and p95 as guidellm
-measures them, then per round and proxy: its minus the direct mean beside |direct 1 -
-direct 2|. Bounded: each run is `--seconds` at `--rate` requests/s, to 127.0.0.1 only.
+measures them, with guidellm's own 95% confidence interval of the TTFT median; then per
+round and proxy: its minus the direct mean beside |direct 1 - direct 2|; then, pooled
+over every round's requests, each proxy's TTFT median minus direct's and direct 2's
+minus direct 1's, with 95% bootstrap intervals (2,000 resamples of the requests): one
+run's median is known to about a millisecond either way, so the spread of one pair of
+direct runs is a noisy yardstick, and the pooled figure says what a proxy adds.
+Bounded: each run is `--seconds` at `--rate` requests/s, to 127.0.0.1 only.
 Figures from a busy machine measure the wait for a core as well; publish only
 quiet-machine runs.
 """
@@ -30,6 +35,8 @@ quiet-machine runs.
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -146,13 +153,23 @@ def main() -> int:
         for name, r in got.items():
             rows.append(
                 [
-                    i, name, r.successful, r.errored,
-                    f"{r.ttft_ms['median']:.1f}", f"{r.ttft_ms['p95']:.1f}",
+                    i, name, r.successful, r.errored, f"{r.ttft_ms['median']:.1f}",
+                    "{:.1f}-{:.1f}".format(*r.ttft_median_ci), f"{r.ttft_ms['p95']:.1f}",
                     f"{r.itl_ms['median']:.2f}", f"{r.itl_ms['p95']:.2f}",
                 ]
             )  # fmt: skip
     print_table(
-        ["round", "run", "ok", "errored", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms"],
+        [
+            "round",
+            "run",
+            "ok",
+            "errored",
+            "TTFT p50 ms",
+            "its 95% CI",
+            "TTFT p95 ms",
+            "ITL p50 ms",
+            "ITL p95 ms",
+        ],
         rows,
     )
     print()
@@ -171,8 +188,29 @@ def main() -> int:
     print_table(
         ["figure", "round", "through", "minus direct mean", "|direct 1 - direct 2|", ""], rows
     )
+    pooled = {
+        name: [t for got in results for t in got[name].ttfts_ms]
+        for name in ("direct 1", "direct 2", *proxies)
+    }
+    direct = pooled["direct 1"] + pooled["direct 2"]
+    rows = [["direct 2", "direct 1", *_median_difference(pooled["direct 2"], pooled["direct 1"])]]
+    rows += [[name, "direct", *_median_difference(pooled[name], direct)] for name in proxies]
+    print(f"\npooled over {len(results)} round(s), every successful request (95% bootstrap CI):")
+    print_table(["TTFT p50 of", "minus that of", "ms", "95% CI"], rows)
     print(f"\nlogs and guidellm reports: {work}")
     return 0
+
+
+def _median_difference(a: list[float], b: list[float], resamples: int = 2000) -> list[str]:
+    """median(a) - median(b), and its 95% interval from resampling each with replacement
+    (seeded: the same reports give the same interval)."""
+    rng = random.Random(14)
+    diffs = sorted(
+        statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
+        for _ in range(resamples)
+    )
+    low, high = diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
+    return [f"{statistics.median(a) - statistics.median(b):+.2f}", f"{low:+.2f} to {high:+.2f}"]
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ class Result:
     ttft_ms: dict[str, float]  # mean, median, p95 of successful requests
     itl_ms: dict[str, float]
     log: str
+    # guidellm's own 95% confidence interval of the TTFT median, and each successful
+    # request's TTFT (for comparisons pooled over runs).
+    ttft_median_ci: tuple[float, float] = (0.0, 0.0)
+    ttfts_ms: tuple[float, ...] = ()
 
 
 def _stats(metric: dict[str, Any]) -> dict[str, float]:
@@ -124,8 +128,10 @@ def run(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     log = done.stdout[-6000:] + done.stderr[-6000:]
     assert done.returncode == 0, f"guidellm failed ({done.returncode}):\n{log}"
-    metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    report = json.loads(out.read_text())["benchmarks"][0]
+    metrics = report["metrics"]
     totals = metrics["request_totals"]
+    ci = metrics["time_to_first_token_ms"]["successful"]["percentile_cis"]["p50"]
     return Result(
         successful=int(totals["successful"]),
         errored=int(totals["errored"]),
@@ -133,4 +139,6 @@ def run(
         ttft_ms=_stats(metrics["time_to_first_token_ms"]),
         itl_ms=_stats(metrics["inter_token_latency_ms"]),
         log=log,
+        ttft_median_ci=(ci["lower"], ci["upper"]),
+        ttfts_ms=tuple(r["time_to_first_token_ms"] for r in report["requests"]["successful"]),
     )
