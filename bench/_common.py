@@ -213,7 +213,7 @@ def start_plain_gateway(
 ) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
     `--replica` (no config file, no access log), ready with a usable replica. `src`:
-    another version's `src/` to run (see `checkout_src`), instead of this checkout's.
+    another version's `src/` to run (see `baseline_src`), instead of this checkout's.
     `python`: the interpreter (another one needs Seawall's dependencies installed)."""
     port = free_port()
     argv = [python, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
@@ -225,17 +225,23 @@ def start_plain_gateway(
     return proc
 
 
-def checkout_src(rev: str, into: Path) -> Path:
-    """The `src/` of git revision `rev` of this repository, extracted under `into`, to run
-    that version side by side with this checkout's (a benchmark's `--base`)."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", rev, "src"],
+def baseline_src(rev: str) -> Path:
+    """Seawall's source at `rev`, exported once under bench/.peers/ (git archive), so an
+    earlier version runs beside this one in the same run (a benchmark's `--baseline`)."""
+    full = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", rev],
         capture_output=True,
+        text=True,
         check=True,
-    ).stdout
-    into.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "src"
+    ).stdout.strip()
+    dest = PEERS / f"seawall-{full}"
+    if not (dest / "src" / "seawall").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", full, "src"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest / "src"
 
 
 # The floors under a proxy's hop (bench_hop.py, bench_guidellm.py --floor), each a script

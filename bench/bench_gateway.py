@@ -52,6 +52,7 @@ from _common import (
     PEERS,
     REPO,
     Proc,
+    baseline_src,
     cpu_seconds,
     free_port,
     machine_context,
@@ -140,25 +141,6 @@ def start_sims(args: argparse.Namespace) -> list[Proc]:
     for p in sims:
         wait_http(f"http://127.0.0.1:{p.port}/health", 60, p)
     return sims
-
-
-def baseline_src(rev: str) -> Path:
-    """Seawall's source at `rev`, exported once under bench/.peers/ (git archive), so an
-    earlier version runs beside this one in the same run."""
-    full = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", rev],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    dest = PEERS / f"seawall-{full}"
-    if not (dest / "src" / "seawall").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", full, "src"], capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest / "src"
 
 
 def start_system(name: str, upstreams: list[str], args: argparse.Namespace) -> System:

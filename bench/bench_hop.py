@@ -1,6 +1,6 @@
 """What one hop through `seawall serve` adds to a lone request's time to first token.
 
-    python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--base REV] [--python PY]...
+    python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--baseline REV]... [--python PY]...
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
@@ -17,11 +17,11 @@ three parts: one more process (the relay over direct), Python's HTTP handling (p
 over the relay) and Seawall's own work (the gateway over py-proxy). Bounded: `--rounds`
 x 4 requests, 127.0.0.1 only. The sim batches on 10 ms steps, so a target's TTFT moves
 by a millisecond between runs: read the differences of one run, whose targets
-interleave, not figures across runs. `--base REV` adds a fifth target, the gateway as
-of git revision REV (its `src/` extracted to the run's directory): a change to the
-request path measured against what it changes, in the same run. `--python PY` (repeat
-it for several) adds this checkout's gateway run by another interpreter, one with
-Seawall's dependencies installed (`PY -m pip install -e .`).
+interleave, not figures across runs. `--baseline REV` (repeatable) adds the gateway as
+of git revision REV (its `src/` exported under bench/.peers, as `bench_gateway.py`
+does): a change to the request path measured against what it changes, in the same run.
+`--python PY` (repeatable) adds this checkout's gateway run by another interpreter, one
+with Seawall's dependencies installed (`PY -m pip install -e .`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from _common import (
     FLOORS,
     REPO,
     Proc,
-    checkout_src,
+    baseline_src,
     free_port,
     machine_context,
     percentile,
@@ -115,7 +115,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200, help="requests to each target")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--base", metavar="REV", help="also the gateway as of git revision REV")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        action="append",
+        default=[],
+        help="also the gateway as of git revision REV (repeatable)",
+    )
     parser.add_argument(
         "--python",
         metavar="PY",
@@ -137,12 +143,12 @@ def main() -> int:
         gateway = start_plain_gateway([f"http://127.0.0.1:{sim_port}"], work / "gateway.log")
         procs.append(gateway)
         targets = {"direct": sim_port, "seawall": gateway.port}
-        if args.base:
+        for rev in args.baseline:
             base = start_plain_gateway(
                 [f"http://127.0.0.1:{sim_port}"],
-                work / "base.log",
-                src=checkout_src(args.base, work / "base"),
-                name=f"seawall@{args.base}",
+                work / f"seawall-{rev}.log",
+                src=baseline_src(rev),
+                name=f"seawall@{rev}",
             )
             procs.append(base)
             targets[base.name] = base.port
@@ -191,8 +197,8 @@ def main() -> int:
         f"ms (beyond py-proxy); Seawall beyond the byte relay "
         f"{p50['seawall'] - p50['tcp-relay']:+.2f} ms"
     )
-    if args.base:
-        base = f"seawall@{args.base}"
+    for rev in args.baseline:
+        base = f"seawall@{rev}"
         print(f"this checkout minus {base} (p50): {p50['seawall'] - p50[base]:+.2f} ms")
     print(f"logs: {work}")
     return 0
