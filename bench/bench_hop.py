@@ -1,6 +1,7 @@
 """What one hop through `seawall serve` adds to a lone request's time to first token.
 
     python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--baseline REV]... [--python PY]...
+        [--stages]
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
@@ -21,15 +22,21 @@ interleave, not figures across runs. `--baseline REV` (repeatable) adds the gate
 of git revision REV (its `src/` exported under bench/.peers, as `bench_gateway.py`
 does): a change to the request path measured against what it changes, in the same run.
 `--python PY` (repeatable) adds this checkout's gateway run by another interpreter, one
-with Seawall's dependencies installed (`PY -m pip install -e .`).
+with Seawall's dependencies installed (`PY -m pip install -e .`). `--stages` adds one
+more, this checkout's gateway with a timestamp at each stage of a request's way through
+it (`stage_gateway.py`), and prints where its time goes, stage by stage (p50 and mean):
+that target's own TTFT includes the timestamps' cost, so read the hop from the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,6 +118,59 @@ async def measure(targets: dict[str, int], rounds: int, max_tokens: int) -> dict
     return got
 
 
+def start_stage_gateway(sim_port: int, work: Path) -> Proc:
+    """`stage_gateway.py serve` in front of the sim, ready (`--stages`)."""
+    port = free_port()
+    argv = [sys.executable, str(REPO / "bench" / "stage_gateway.py"), "serve"]
+    argv += ["--port", str(port), "--no-access-log", "--replica", f"http://127.0.0.1:{sim_port}"]
+    env = seawall_env({"SEAWALL_STAGES_OUT": str(work / "stages.json")})
+    proc = Proc("seawall (timed stages)", argv, work / "stage_gateway.log", env, REPO, port)
+    wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, proc)
+    return proc
+
+
+def read_stages(proc: Proc, path: Path) -> list[dict[str, float]]:
+    """Every request the stage gateway timed (it writes them on SIGUSR1)."""
+    os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} wrote no {path.name}: see {proc.log_path}")
+        time.sleep(0.05)
+    timed: list[dict[str, float]] = json.loads(path.read_text())
+    return timed
+
+
+def print_stages(timed: list[dict[str, float]]) -> None:
+    """Per stage, the p50 and mean of its time since the stage before it, over the
+    requests that passed every stage; then the request's time in the gateway (its way
+    in, and the first token's way out), without the engine's time between them."""
+    order = max(timed, key=len)
+    names = sorted(order, key=order.__getitem__)
+    whole = [t for t in timed if t.keys() == order.keys()]
+    rows = []
+    for before, after in itertools.pairwise(names):
+        ms = [(t[after] - t[before]) * 1e3 for t in whole]
+        rows.append(
+            [f"{before} -> {after}", f"{percentile(ms, 50):.3f}", f"{sum(ms) / len(ms):.3f}"]
+        )
+    own = [
+        (t["sent upstream"] + t["token out"] - t["token in"]) * 1e3
+        for t in whole
+        if {"sent upstream", "token in", "token out"} <= t.keys()
+    ]
+    print(
+        f"\nwhere a lone request's time in the gateway goes ({len(whole)} of {len(timed)} timed):"
+    )
+    print_table(["stage", "p50 ms", "mean ms"], rows)
+    if own:
+        print(
+            f"time in the gateway on the request's path (in -> sent upstream, token in -> "
+            f"token out): "
+            f"p50 {percentile(own, 50):.3f} ms, mean {sum(own) / len(own):.3f}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200, help="requests to each target")
@@ -128,6 +188,9 @@ def main() -> int:
         action="append",
         default=[],
         help="also this checkout's gateway run by interpreter PY (repeatable)",
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="also a gateway timing each stage of a request"
     )
     args = parser.parse_args()
     print(machine_context())
@@ -171,7 +234,13 @@ def main() -> int:
             floor = start_floor(script, sim_port, work / f"{script}.log")
             procs.append(floor)
             targets[floor.name] = floor.port
+        timed: Proc | None = None
+        if args.stages:
+            timed = start_stage_gateway(sim_port, work)
+            procs.append(timed)
+            targets[timed.name] = timed.port or 0
         got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
+        stages = read_stages(timed, work / "stages.json") if timed is not None else []
     finally:
         for p in reversed(procs):
             p.stop()
@@ -198,8 +267,10 @@ def main() -> int:
         f"{p50['seawall'] - p50['tcp-relay']:+.2f} ms"
     )
     for rev in args.baseline:
-        base = f"seawall@{rev}"
-        print(f"this checkout minus {base} (p50): {p50['seawall'] - p50[base]:+.2f} ms")
+        label = f"seawall@{rev}"
+        print(f"this checkout minus {label} (p50): {p50['seawall'] - p50[label]:+.2f} ms")
+    if stages:
+        print_stages(stages)
     print(f"logs: {work}")
     return 0
 
