@@ -181,3 +181,53 @@ def test_a_drain_cut_between_the_first_token_and_the_relay_ends_the_stream(
     error = json.loads(evs[-2])["error"]
     assert error["code"] == "gateway_draining", error
     assert cut == 1
+
+
+def test_an_unhandled_error_after_the_first_token_went_out_cuts_the_connection(
+    artifacts: Path,
+) -> None:
+    """A bug that raises in the handler after the head and first token went out from the
+    socket callback: the front door's last resort must see the response as started (it
+    answers a JSON 500 only to a client that has received nothing) and close the
+    connection, so the client reads a stream cut short, never a second status line in
+    the middle of its body. (An in-process gateway, whose relay is made to raise there;
+    the engine is a real `seawall sim`.)"""
+    sim = start_sim(artifacts)
+    with running(sim):
+
+        async def main() -> bytes:
+            config = {"replicas": [{"url": sim.url, "model": MODEL}], "listen": {"port": 0}}
+            gw = Gateway(parse_config(config), access_log=False)
+            port = await gw.start()
+
+            async def broken(request: Any, ctx: RequestCtx, opened: Any) -> Any:
+                assert ctx.stream.head_sent  # the callback path wrote the head
+                opened.close()
+                raise RuntimeError("a bug in the relay")
+
+            gw.proxy.relay.stream = broken  # type: ignore[method-assign]
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(500):  # until the fleet monitor has found the replica
+                        async with s.get(f"http://127.0.0.1:{port}/readyz?fleet=1") as r:
+                            if r.status == 200:
+                                break
+                        await asyncio.sleep(0.02)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                data = json.dumps(CHAT).encode()
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                    % (len(data), data)
+                )
+                got = await asyncio.wait_for(reader.read(), 10)  # to the connection's end
+                writer.close()
+                return got
+            finally:
+                await gw.close()
+
+        got = asyncio.run(main())
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n"), got[:200]
+    assert got.count(b"HTTP/1.1 ") == 1, got  # no error response inside the stream
+    assert b'"content":"' in got  # the first token reached the client
+    assert not got.endswith(b"0\r\n\r\n")  # cut short, not a complete stream

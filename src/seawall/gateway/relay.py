@@ -146,7 +146,11 @@ class Relay:
             if "\r" in ctype or "\n" in ctype:  # aiohttp would refuse to write it
                 ctype = _SSE_TYPE
             head = _HEAD.format(ctype, ctx.request_id, rfc822_formatted_time(), close)
-            transport.write(head.encode("latin-1") + b"%x\r\n%b\r\n" % (len(out), out))
+            data = head.encode("latin-1") + b"%x\r\n%b\r\n" % (len(out), out)
+            transport.write(data)
+            # Counted where aiohttp counts what it wrote: the front door's last resort
+            # answers an error only to a client that has received nothing.
+            request.writer.output_size += len(data)
             ctx.stream.head_sent = True
             return True
 
