@@ -78,6 +78,17 @@ class Exchange:
             self.streams[1].close()
 
 
+async def until_ready(port: int) -> None:
+    """Until an in-process gateway's fleet monitor has found its replica."""
+    async with aiohttp.ClientSession() as s:
+        for _ in range(500):
+            async with s.get(f"http://127.0.0.1:{port}/readyz?fleet=1") as r:
+                if r.status == 200:
+                    return
+            await asyncio.sleep(0.02)
+    raise TimeoutError(f"the gateway on port {port} found no usable replica")
+
+
 def events(body: bytes) -> list[str]:
     return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
 
@@ -159,12 +170,8 @@ def test_a_drain_cut_between_the_first_token_and_the_relay_ends_the_stream(
 
             relay.commit = commit_then_cut  # type: ignore[method-assign]
             try:
+                await until_ready(port)
                 async with aiohttp.ClientSession() as s:
-                    for _ in range(500):  # until the fleet monitor has found the replica
-                        async with s.get(f"http://127.0.0.1:{port}/readyz?fleet=1") as r:
-                            if r.status == 200:
-                                break
-                        await asyncio.sleep(0.02)
                     url = f"http://127.0.0.1:{port}/v1/chat/completions"
                     async with s.post(url, json=CHAT) as r:
                         body = await r.read()  # raises on broken chunked framing
@@ -207,12 +214,7 @@ def test_an_unhandled_error_after_the_first_token_went_out_cuts_the_connection(
 
             gw.proxy.relay.stream = broken  # type: ignore[method-assign]
             try:
-                async with aiohttp.ClientSession() as s:
-                    for _ in range(500):  # until the fleet monitor has found the replica
-                        async with s.get(f"http://127.0.0.1:{port}/readyz?fleet=1") as r:
-                            if r.status == 200:
-                                break
-                        await asyncio.sleep(0.02)
+                await until_ready(port)
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 data = json.dumps(CHAT).encode()
                 writer.write(
