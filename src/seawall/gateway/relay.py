@@ -69,11 +69,6 @@ _TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
 
 _CLIENT_LEFT = "client_left"
 _SSE_TYPE = "text/event-stream; charset=utf-8"  # when the engine names none
-# A committed stream's head: the headers `stream` gives aiohttp, then those aiohttp adds.
-_HEAD = (
-    "HTTP/1.1 200 OK\r\nContent-Type: {}\r\nCache-Control: no-cache\r\nX-Request-Id: {}\r\n"
-    "Transfer-Encoding: chunked\r\nDate: {}\r\nServer: " + SERVER_SOFTWARE + "\r\n{}\r\n"
-)
 
 # How long a stream whose answer has ended (`[DONE]`) waits for its upstream's response to
 # end before the client is given the end anyway (and the upstream connection is closed).
@@ -142,10 +137,14 @@ class Relay:
             transport = request.transport
             if transport is None or transport.is_closing():
                 return False  # the client left: the attempt's cancellation says so
-            ctype = headers.get("content-type", _SSE_TYPE)
-            if "\r" in ctype or "\n" in ctype:  # aiohttp would refuse to write it
-                ctype = _SSE_TYPE
-            head = _HEAD.format(ctype, ctx.request_id, rfc822_formatted_time(), close)
+            # Ours (the engine's content type cannot hold CR or LF: llhttp refuses
+            # them), then those aiohttp adds to a chunked HTTP/1.1 response.
+            ours = _stream_headers(headers, ctx.request_id)
+            head = "".join(f"{k}: {v}\r\n" for k, v in ours.items())
+            head = (
+                f"HTTP/1.1 200 OK\r\n{head}Transfer-Encoding: chunked\r\n"
+                f"Date: {rfc822_formatted_time()}\r\nServer: {SERVER_SOFTWARE}\r\n{close}\r\n"
+            )
             data = head.encode("latin-1") + b"%x\r\n%b\r\n" % (len(out), out)
             transport.write(data)
             # Counted where aiohttp counts what it wrote: the front door's last resort
@@ -176,14 +175,13 @@ class Relay:
     ) -> web.StreamResponse:
         self.dispatcher.first_token(ctx, opened)
         st = ctx.stream
-        resp = (_SentStream if st.head_sent else _EventStream)(
-            status=200,
-            headers={
-                "Content-Type": opened.conn.headers.get("content-type", _SSE_TYPE),
-                "Cache-Control": "no-cache",
-                "X-Request-Id": ctx.request_id,
-            },
-        )
+        resp: web.StreamResponse
+        if st.head_sent:
+            resp = _SentStream(status=200)  # its headers are on the wire (`commit`)
+        else:
+            resp = _EventStream(
+                status=200, headers=_stream_headers(opened.conn.headers, ctx.request_id)
+            )
         ctx.stage = "streaming"
         ctx.status = 200
         st.opened = opened
@@ -504,6 +502,16 @@ class _SentStream(_EventStream):
 
     async def _write_headers(self) -> None:
         return
+
+
+def _stream_headers(upstream: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """A stream's response headers, whichever path writes them (`Relay.commit`,
+    `Relay.stream`): the engine's content type (audio routes differ), no caching, the id."""
+    return {
+        "Content-Type": upstream.get("content-type", _SSE_TYPE),
+        "Cache-Control": "no-cache",
+        "X-Request-Id": request_id,
+    }
 
 
 def _parses_events(ctx: RequestCtx) -> bool:

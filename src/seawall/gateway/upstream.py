@@ -11,7 +11,7 @@ The reads before the first token are scanned in the upstream's socket callback
 (`_Head`), and with a `commit` (the relay's, for a stream relayed as the engine wrote it)
 the first token goes on to the client from that same callback, with the response's
 head, before the attempt's coroutine runs: a lone request's first token waits for no
-task switch and no bookkeeping (`bench/bench_hop.py --base`).
+task switch and no bookkeeping (`bench/bench_hop.py --baseline`).
 
 `Upstream` is the seam: the request path (`dispatch.py`, `relay.py`) needs only `open`
 and, once a stream is open, the `UpstreamStream` members below. `H1Upstream` is the
