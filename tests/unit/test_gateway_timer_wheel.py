@@ -11,7 +11,7 @@ import pytest
 
 from seawall import clock
 from seawall.gateway import idle
-from seawall.gateway.idle import TICK_S, Entry, Expiry, Wheel
+from seawall.gateway.idle import TICK_S, Callback, Entry, Expiry, Wheel
 
 
 class Clock:
@@ -30,7 +30,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 def entry(fired: list[str], name: str) -> Entry:
-    return Entry(lambda: fired.append(name))
+    return Callback(lambda: fired.append(name))
 
 
 def test_a_deadline_fires_once_due_never_before_and_within_a_tick(
@@ -81,15 +81,15 @@ def test_an_earlier_deadline_moves_the_timer_and_a_fired_entry_can_be_set_again(
     now = Clock()
     wheel = Wheel(loop, now)
     fired: list[float] = []
-    again = Entry(lambda: None)
+    again = Callback(lambda: None)
 
     def idle_check() -> None:  # as IdleDeadline does when chunks came meanwhile
         fired.append(now.t)
         if len(fired) < 3:
             wheel.set(again, now.t + 1.0)
 
-    again.fire = idle_check
-    wheel.set(Entry(lambda: None), now.t + 30.0)
+    again.fn = idle_check
+    wheel.set(Callback(lambda: None), now.t + 30.0)
     wheel.set(again, now.t + 1.0)
     assert wheel.next_tick == pytest.approx(1001.0)
     for _ in range(3):

@@ -319,40 +319,52 @@ class Dispatcher:
         assert self.hedge is not None
         legs = _Leg(), _Leg()
         primary = asyncio.ensure_future(self.attempt(ctx, first, body, legs[0]))
-        done, _ = await asyncio.wait({primary}, timeout=self.hedge.delay_s)
-        if done:
-            return primary.result()
-        now = clock.monotonic()
-        second = self.choose(ctx, now, tried)
-        if second is None:
-            return await primary
-        if not self.budget.try_withdraw(now):
-            self.metrics.retry_budget_exhausted.inc()
-            return await primary
-        tried.add(second.id)
-        ctx.attempts += 1
-        self.metrics.hedges.labels("launched").inc()
-        secondary = asyncio.ensure_future(self.attempt(ctx, second, body, legs[1]))
-        pending = {primary, secondary}
-        failure: BaseException | None = None
+        secondary: asyncio.Future[Opened] | None = None
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task.exception() is None:
-                        self.metrics.hedges.labels("won" if task is secondary else "lost").inc()
-                        for loser in pending:
-                            # Counted once, by the attempt itself, as `hedge_lost`.
-                            legs[1 if loser is secondary else 0].lost = True
-                            loser.cancel()
-                        return task.result()
-                    failure = task.exception()
-            assert failure is not None
-            raise failure
+            done, _ = await asyncio.wait({primary}, timeout=self.hedge.delay_s)
+            if not done:
+                now = clock.monotonic()
+                second = self.choose(ctx, now, tried)
+                if second is not None and not self.budget.try_withdraw(now):
+                    self.metrics.retry_budget_exhausted.inc()
+                elif second is not None:
+                    tried.add(second.id)
+                    ctx.attempts += 1
+                    self.metrics.hedges.labels("launched").inc()
+                    secondary = asyncio.ensure_future(self.attempt(ctx, second, body, legs[1]))
+            if secondary is None:
+                await asyncio.wait({primary})
+                return _outcome(primary)
+            pending: set[asyncio.Future[Opened]] = {primary, secondary}
+            while True:
+                ended, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                won = next((t for t in ended if not t.cancelled() and t.exception() is None), None)
+                if won is not None:
+                    self.metrics.hedges.labels("won" if won is secondary else "lost").inc()
+                    for loser in pending:
+                        # Counted once, by the attempt itself, as `hedge_lost`.
+                        legs[1 if loser is secondary else 0].lost = True
+                        loser.cancel()
+                    return won.result()
+                if not pending:
+                    return _outcome(ended.pop())  # both failed: the last one's failure
         finally:
             for task in (primary, secondary):
-                if not task.done():
-                    task.cancel()
+                if task is not None and not task.done():
+                    task.cancel()  # the request was cancelled (client left, drain cut)
+
+
+def _outcome(attempt: asyncio.Future[Opened]) -> Opened:
+    """A finished attempt's answer, or its failure raised as a new exception: raising
+    the task's own would put the awaiting frame, which holds the task, into that
+    exception's traceback, a cycle (task, exception, frame, task) for the collector."""
+    if attempt.cancelled() or attempt.exception() is None:
+        return attempt.result()  # CancelledError is raised afresh
+    failure = attempt.exception()
+    assert failure is not None
+    if isinstance(failure, AttemptFailed):
+        raise AttemptFailed(failure.failure)
+    raise failure  # a bug: its traceback matters more than the collector
 
 
 class _Leg:

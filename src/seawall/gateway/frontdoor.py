@@ -67,7 +67,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from seawall import clock
 from seawall.config import ServerConfig
 from seawall.errors import ApiError
-from seawall.gateway.idle import Entry, Wheel
+from seawall.gateway.idle import Callback, Wheel
 
 log = logging.getLogger("seawall.frontdoor")
 
@@ -583,6 +583,10 @@ Phase = Literal["headers", "request", "idle", "closed"]
 Authorize = Callable[[Mapping[str, str]], bool]
 
 
+def _closed() -> None:
+    """A closed connection's clock: nothing left to time."""
+
+
 class _Handler(web.RequestHandler):
     """aiohttp's connection protocol with the front door's timeouts, caps and answers."""
 
@@ -593,7 +597,7 @@ class _Handler(web.RequestHandler):
         self._phase: Phase = "headers"
         # The header and body clocks: one deadline on the loop's timer wheel (a timer
         # handle per request cost more than everything else the door does).
-        self._clock = Entry(self._fire)
+        self._clock = Callback(self._fire)
         self._expired: Callable[[], None] | None = None  # what the running clock does
         self._request: web.BaseRequest | None = None
         # Each request passes the door before the application (an aiohttp middleware
@@ -647,10 +651,12 @@ class _Handler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._phase = "closed"
+        # Break the cycles handler -> conn -> handler and handler -> clock -> handler now:
+        # left to the cyclic collector, each closed connection kept its request buffers
+        # for a while, and the collector's pauses stop every stream.
+        self._clock.fn = _closed
         if self._conn is not None:
             self._door.table.remove(self._conn)
-            # Break the cycle handler -> conn -> handler now: left to the cyclic
-            # collector, each closed connection kept its request buffers for a while.
             self._conn.closer = None
             self._conn = None
         self._request = None

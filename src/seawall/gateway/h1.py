@@ -78,7 +78,7 @@ class H1Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         # One parser for the connection's life: llhttp takes responses one after another,
         # and a connection is reused only after its response ended.
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._parts: list[bytes] = []  # body parsed from the current read
         self._buffer: list[bytes] = []  # body not yet taken (no sink)
@@ -202,9 +202,12 @@ class H1Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if parser is None:
+            return  # the connection is lost
         self.received += len(data)
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(BrokenResponse(f"invalid HTTP from {self.endpoint.host_header}: {e}"))
             return
@@ -221,6 +224,9 @@ class H1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        # The parser holds this protocol's callbacks: a cycle that, left to the cycle
+        # collector, kept each lost connection (and the request its sink belongs to).
+        self._parser = None
         self._pool.forget(self)
         if self._until_close and self.head_done:
             self.complete = True
@@ -237,8 +243,10 @@ class H1Connection(asyncio.Protocol):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.keep_alive = self._parser.should_keep_alive()
+        parser = self._parser
+        assert parser is not None  # called from its feed_data
+        self.status = parser.get_status_code()
+        self.keep_alive = parser.should_keep_alive()
         self._until_close = (
             "content-length" not in self.headers
             and "chunked" not in self.headers.get("transfer-encoding", "")

@@ -27,6 +27,7 @@ import heapq
 import math
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from seawall import clock
 from seawall.policy.deadline import TimeoutKind, Wait, idle_check
@@ -36,13 +37,33 @@ TICK_S = 0.01
 
 
 class Entry:
-    """One deadline on the wheel: `fire` is called once it is due, unless cleared first."""
+    """One deadline on the wheel: `fire()` is called once it is due, unless cleared first.
 
-    __slots__ = ("bucket", "fire")
+    A request's deadlines are entries themselves (subclasses defining `fire`), not
+    holders of a bound method of their owner: that was a reference cycle per deadline,
+    left to the cycle collector, whose pauses stop every stream (`Callback` wraps any
+    other callable)."""
 
-    def __init__(self, fire: Callable[[], None]) -> None:
-        self.fire = fire
+    __slots__ = ("bucket",)
+
+    def __init__(self) -> None:
         self.bucket: int | None = None  # the wheel's bucket while set
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class Callback(Entry):
+    """An entry that calls `fn`."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def fire(self) -> None:
+        self.fn()
 
 
 _WHEELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = weakref.WeakKeyDictionary()
@@ -132,87 +153,102 @@ class Wheel:
             entry.fire()  # may set it again (an idle deadline with chunks since)
 
 
-class IdleDeadline:
-    __slots__ = (
-        "_cancelling", "_deadline", "_entry", "_itl_s", "_task", "_wheel", "fired", "last"
-    )  # fmt: skip
+class _Cancels(Entry):
+    """An entry that cancels the task that set it and, after a CancelledError, tells that
+    cancellation from any other, as `asyncio.timeout` does. It holds the task only while
+    it may still cancel it or undo the cancellation: kept longer, it was a cycle for the
+    collector whenever the task failed (the task, its exception, the traceback, the frame
+    that holds this entry, the task)."""
 
-    def __init__(self, itl_s: float, deadline: float, last: float) -> None:
+    __slots__ = ("_cancelled", "_cancelling", "_task", "_wheel")
+
+    def __init__(self) -> None:
+        super().__init__()
         task = asyncio.current_task()
         assert task is not None
-        self._task = task
+        self._task: asyncio.Task[Any] | None = task
         self._cancelling = task.cancelling()
+        self._cancelled = False
+        self._wheel = Wheel.of(task.get_loop())
+
+    def _cancel(self) -> None:
+        if self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    def _undo(self) -> bool:
+        """True, with the cancellation undone, when this entry's was the only one."""
+        task, self._task = self._task, None
+        return self._cancelled and task is not None and task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._wheel.clear(self)
+        if not self._cancelled:
+            self._task = None  # nothing to undo
+
+
+class IdleDeadline(_Cancels):
+    __slots__ = ("_deadline", "_itl_s", "fired", "last")
+
+    def __init__(self, itl_s: float, deadline: float, last: float) -> None:
+        super().__init__()
         self._itl_s = itl_s
         self._deadline = deadline  # monotonic
         self.last = last  # monotonic time of the last chunk: the only per-chunk write
         self.fired: TimeoutKind | None = None
-        self._wheel = Wheel.of(task.get_loop())
-        self._entry = Entry(self._check)
         # Set for the first moment a timeout could expire (now, when one already has: the
         # task is never cancelled from here, only from the wheel, as a timer would).
         now = clock.monotonic()
         verdict = idle_check(now, last, deadline, itl_s)
-        self._wheel.set(self._entry, now + verdict.seconds if isinstance(verdict, Wait) else now)
+        self._wheel.set(self, now + verdict.seconds if isinstance(verdict, Wait) else now)
 
-    def _check(self) -> None:
+    def fire(self) -> None:
         now = clock.monotonic()
         verdict = idle_check(now, self.last, self._deadline, self._itl_s)
         if isinstance(verdict, Wait):
-            self._wheel.set(self._entry, now + verdict.seconds)
+            self._wheel.set(self, now + verdict.seconds)
             return
         self.fired = verdict
-        self._task.cancel()
+        self._cancel()
 
     def expired(self) -> TimeoutKind | None:
         """After a CancelledError: the kind of timeout that caused it, or None when the
         cancellation came from elsewhere (the client left) and must propagate."""
-        if self.fired is not None and self._task.uncancel() <= self._cancelling:
-            return self.fired
-        return None
+        return self.fired if self.fired is not None and self._undo() else None
 
     def within(self, seconds: float) -> None:
         """Bring the total deadline forward to at most `seconds` from now."""
         deadline = clock.monotonic() + seconds
         if deadline < self._deadline:
             self._deadline = deadline
-            self._wheel.set(self._entry, deadline)
-
-    def close(self) -> None:
-        self._wheel.clear(self._entry)
+            self._wheel.set(self, deadline)
 
 
-class Expiry:
+class Expiry(_Cancels):
     """Cancel the current task after `seconds` unless closed first; after a CancelledError,
     `expired()` says whether this expiry caused it (and undoes the cancellation), as
     `asyncio.timeout` does, so a client that left at the same moment stays a
     cancellation. Use: `e = Expiry(s)`, then `try: ... except CancelledError: if
     e.expired(): <timed out>; raise` and `finally: e.close()`."""
 
-    __slots__ = ("_cancelling", "_entry", "_task", "_wheel", "fired")
+    __slots__ = ("fired",)
 
     def __init__(self, seconds: float) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._cancelling = task.cancelling()
+        super().__init__()
         self.fired = False
-        self._wheel = Wheel.of(task.get_loop())
-        self._entry = Entry(self._fire)
-        self._wheel.set(self._entry, clock.monotonic() + seconds)
+        self._wheel.set(self, clock.monotonic() + seconds)
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         self.fired = True
-        self._task.cancel()
+        self._cancel()
 
     def expired(self) -> bool:
-        return self.fired and self._task.uncancel() <= self._cancelling
-
-    def close(self) -> None:
-        self._wheel.clear(self._entry)
+        return self.fired and self._undo()
 
     def disarm(self) -> bool:
         """Close it from a callback, at the moment the wait it bounds has ended: True when
         the task may go on uninterrupted, False when it is already being cancelled (by
         this expiry, in the same turn of the loop, or by anything else)."""
+        task = self._task
         self.close()
-        return self._task.cancelling() == self._cancelling
+        return task is not None and task.cancelling() == self._cancelling
