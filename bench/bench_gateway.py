@@ -19,8 +19,10 @@ separate process (`bench/_common.py drive`: aiohttp, its own GIL and CPU) sends
 request the time to the first content token and to `[DONE]`. The proxy's CPU time is
 utime+stime from /proc/<pid>/stat of the proxy and its descendants, read before and after
 the load. Printed: requests ok/failed, TTFT p50/p99, added TTFT p50/p99 over direct,
-streamed tokens/s, proxy CPU-seconds per 1,000 streamed requests, the machine's CPU busy
-share during the load, then the Seawall/peer ratios and the issue's two goals.
+streamed tokens/s, proxy CPU-seconds per 1,000 streamed requests, its peak RSS, for
+Seawall its cycle-collector runs and the objects they found per 1,000 requests (each run
+stops the event loop), the machine's CPU busy share during the load, then the
+Seawall/peer ratios and the issue's two goals.
 
 The machine may be shared: the header prints cores and load average, and each row the
 whole machine's CPU busy share during that load (near 100% means saturated, and
@@ -42,6 +44,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +231,8 @@ class Row:
     sim_cpu_s: float = math.nan
     client_cpu_s: float = math.nan
     proxy_rss_mib: float = math.nan  # the proxy's peak RSS so far (VmHWM, process tree)
+    gc_runs: float = math.nan  # the proxy's cycle-collector runs (Seawall: its /metrics)
+    gc_objects: float = math.nan  # and the objects those runs found in cycles
     machine_busy: float = math.nan
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -237,6 +242,23 @@ class Row:
     @property
     def cpu_per_1k(self) -> float:
         return self.proxy_cpu_s / self.ok * 1000.0 if self.ok else math.nan
+
+
+def gc_counts(system: System) -> tuple[float, float]:
+    """A Seawall's cycle-collector runs and the objects they collected so far, all
+    generations (prometheus_client's `python_gc_*` on its /metrics); NaN for the others.
+    Each run stops the event loop, every stream with it."""
+    if system.url is None or not system.name.startswith("seawall"):
+        return math.nan, math.nan
+    with urllib.request.urlopen(system.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    runs = objects = 0.0
+    for line in text.splitlines():
+        if line.startswith("python_gc_collections_total{"):
+            runs += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("python_gc_objects_collected_total{"):
+            objects += float(line.rsplit(" ", 1)[1])
+    return runs, objects
 
 
 def _children_cpu() -> float:
@@ -262,11 +284,14 @@ def measure(
     sims0 = sum(cpu_seconds(s.pid) for s in sims)
     client0 = _children_cpu()
     busy0 = _cpu_busy()
+    gc0 = gc_counts(system)
     out = run_driver(
         target, MODEL, args.route, conc, args.requests, args.max_tokens, args.time_limit
     )
     busy1 = _cpu_busy()
+    gc1 = gc_counts(system)
     row = Row(system.name, conc)
+    row.gc_runs, row.gc_objects = gc1[0] - gc0[0], gc1[1] - gc0[1]
     row.proxy_cpu_s = cpu_seconds(pid) - proxy0 if pid else math.nan
     row.proxy_rss_mib = peak_rss_mib(pid) if pid else math.nan
     row.sim_cpu_s = sum(cpu_seconds(s.pid) for s in sims) - sims0
@@ -316,7 +341,7 @@ def pool(runs: list[Row]) -> list[Row]:
         p.failed += r.failed
         p.ttft = p.ttft + r.ttft
         p.tokens += r.tokens
-        for name in ("proxy_cpu_s", "sim_cpu_s", "client_cpu_s"):
+        for name in ("proxy_cpu_s", "sim_cpu_s", "client_cpu_s", "gc_runs", "gc_objects"):
             setattr(p, name, (0.0 if first else getattr(p, name)) + getattr(r, name))
         p.proxy_rss_mib = r.proxy_rss_mib if first else max(p.proxy_rss_mib, r.proxy_rss_mib)
         busy = 0.0 if first else p.machine_busy * p.elapsed_s
@@ -413,6 +438,8 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
                 r.sim_cpu_s,
                 r.client_cpu_s,
                 r.proxy_rss_mib,
+                r.gc_runs / r.ok * 1000.0 if r.ok else math.nan,
+                r.gc_objects / r.ok * 1000.0 if r.ok else math.nan,
                 100.0 * r.machine_busy,
             ]
         )
@@ -421,7 +448,8 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         [
             "system", "conc", "ok", "failed", "TTFT p50 ms", "TTFT p99 ms", "added p50 ms",
             "added p99 ms", "tokens/s", "proxy CPU-s/1k req", "proxy CPU-s", "sim CPU-s",
-            "client CPU-s", "proxy peak RSS MiB", "machine busy %",
+            "client CPU-s", "proxy peak RSS MiB", "GC runs/1k req", "GC objects/1k req",
+            "machine busy %",
         ],
         table,
     )  # fmt: skip
