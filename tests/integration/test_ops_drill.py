@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -63,6 +64,16 @@ def all_routable(admin: str) -> bool:
         timeout=20,
     )
     return out.returncode == 0 and all(r["routable"] for r in json.loads(out.stdout)["replicas"])
+
+
+def steady_ttft_p99_s(report: dict[str, Any]) -> float:
+    """The steady load's TTFT p99 with each failed request counted as a first token that
+    never came: the report's p99 is over the requests that got one, and the run that fails
+    its slowest requests would otherwise look the fastest."""
+    during = report["during"]
+    if during["failed"] > 0.01 * during["requests"]:
+        return math.inf
+    return float(during["ttft_p99_s"])
 
 
 def report_of(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -159,7 +170,7 @@ def test_preemption_storm_drill_shows_admission_keeping_the_engines_from_preempt
     assert with_["detection_s"] is None  # nothing to detect: no engine preempted
     # The steady load behind the storm: served at least as often, first tokens sooner.
     assert with_["during"]["ok"] >= without["during"]["ok"] > 0
-    assert with_["during"]["ttft_p99_s"] < without["during"]["ttft_p99_s"]
+    assert steady_ttft_p99_s(with_) < steady_ttft_p99_s(without)
     assert with_["requests_failed"] == with_["streams_dropped"] == 0
 
 
