@@ -30,19 +30,26 @@ pytestmark = pytest.mark.integration
 
 
 def described(obj: object) -> str | None:
-    """What `obj` is, when it belongs to the gateway's request path (None otherwise)."""
+    """What `obj` is, when it belongs to the gateway's request path (None otherwise):
+    Seawall's objects, and coroutines and tasks of Seawall's code or of aiohttp's server
+    handler. Not aiohttp's client coroutines: a fleet monitor probe that fails to connect
+    leaves a cycle inside aiohttp, off the request path."""
     kind = type(obj)
     if kind.__module__.startswith("seawall"):
         return f"{kind.__module__}.{kind.__qualname__}"
-    if isinstance(obj, types.CoroutineType):
-        return f"coroutine {obj.cr_code.co_qualname}"
     if isinstance(obj, asyncio.Task):
-        coro = obj.get_coro()
-        name = getattr(getattr(coro, "cr_code", None), "co_qualname", "?")
-        return f"task of {name}"
+        code = getattr(obj.get_coro(), "cr_code", None)
+        return f"task of {code.co_qualname}" if code is not None and ours(code) else None
+    if isinstance(obj, types.CoroutineType):
+        return f"coroutine {obj.cr_code.co_qualname}" if ours(obj.cr_code) else None
     if isinstance(obj, types.MethodType) and type(obj.__self__).__module__.startswith("seawall"):
         return f"bound method {obj.__func__.__qualname__}"
     return None
+
+
+def ours(code: types.CodeType) -> bool:
+    name = code.co_filename
+    return "/seawall/" in name or name.endswith("aiohttp/web_protocol.py")
 
 
 async def cyclic_garbage(send: Callable[[], Awaitable[None]], n: int = 20) -> Counter[str]:
