@@ -39,6 +39,18 @@ def test_vllm_golden_scrape_reads_the_engine_load() -> None:
     )
 
 
+def test_the_golden_scrape_reads_the_same_in_any_line_order_and_ending() -> None:
+    """The parser finds each wanted series wherever it is: the first line (nothing before
+    it), the last (no newline after it), between CRLF line endings."""
+    lines = golden_text().splitlines()
+    want = adapter_for(EngineKind.VLLM).parse("\n".join(lines))
+    wanted = [i for i, line in enumerate(lines) if line.startswith("vllm:num_requests_running{")]
+    first = [lines[wanted[0]], *lines[: wanted[0]], *lines[wanted[0] + 1 :]]
+    last = [*lines[: wanted[0]], *lines[wanted[0] + 1 :], lines[wanted[0]]]
+    for text in ("\n".join(first), "\n".join(last), "\r\n".join(lines) + "\r\n"):
+        assert adapter_for(EngineKind.VLLM).parse(text) == want
+
+
 def test_hand_parser_agrees_with_prometheus_client_on_the_golden_scrape() -> None:
     text = golden_text()
     reference: dict[str, float] = {}
