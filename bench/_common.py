@@ -210,17 +210,21 @@ def start_plain_gateway(
     src: Path | None = None,
     name: str = "gateway",
     python: str = sys.executable,
+    launcher: Sequence[str] = ("-m", "seawall"),
+    env: dict[str, str] | None = None,
 ) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
     `--replica` (no config file, no access log), ready with a usable replica. `src`:
     another version's `src/` to run (see `baseline_src`), instead of this checkout's.
-    `python`: the interpreter (another one needs Seawall's dependencies installed)."""
+    `python`: the interpreter (another one needs Seawall's dependencies installed).
+    `launcher`: what `python` runs in place of `-m seawall` (a script taking Seawall's
+    command line, such as `stage_gateway.py`); `env`: more environment for it."""
     port = free_port()
-    argv = [python, "-m", "seawall", "serve", "--port", str(port), "--no-access-log"]
+    argv = [python, *launcher, "serve", "--port", str(port), "--no-access-log"]
     for u in upstreams:
         argv += ["--replica", u]
-    env = seawall_env({"PYTHONPATH": str(src)} if src is not None else None)
-    proc = Proc(name, argv, log, env, REPO, port)
+    extra = {**(env or {}), **({"PYTHONPATH": str(src)} if src is not None else {})}
+    proc = Proc(name, argv, log, seawall_env(extra), REPO, port)
     wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, proc)
     return proc
 

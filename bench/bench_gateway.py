@@ -70,9 +70,12 @@ from _common import (
     start_vllm_router,
     wait_http,
 )
+from seawall.fleet.adapters import parse_samples
 
 LOGS = REPO / "bench" / "results" / "gateway-logs"
 MODEL = "sim-model"
+# prometheus_client's cycle-collector counters (one child per generation).
+GC_RUNS, GC_FOUND = "python_gc_collections_total", "python_gc_objects_collected_total"
 SYSTEMS = ("direct", "seawall", "seawall-noadm", "vllm-router", "litellm")
 # seawall-noadm: fleet admission (saturation queue/shed) off, the rest as configured: the
 # proxy's own cost, without the admission policy deciding to queue or shed.
@@ -251,14 +254,8 @@ def gc_counts(system: System) -> tuple[float, float]:
     if system.url is None or not system.name.startswith("seawall"):
         return math.nan, math.nan
     with urllib.request.urlopen(system.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    runs = objects = 0.0
-    for line in text.splitlines():
-        if line.startswith("python_gc_collections_total{"):
-            runs += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("python_gc_objects_collected_total{"):
-            objects += float(line.rsplit(" ", 1)[1])
-    return runs, objects
+        got = parse_samples(r.read().decode(), frozenset({GC_RUNS, GC_FOUND}))
+    return sum(got.get(GC_RUNS, [math.nan])), sum(got.get(GC_FOUND, [math.nan]))
 
 
 def _children_cpu() -> float:

@@ -120,13 +120,13 @@ async def measure(targets: dict[str, int], rounds: int, max_tokens: int) -> dict
 
 def start_stage_gateway(sim_port: int, work: Path) -> Proc:
     """`stage_gateway.py serve` in front of the sim, ready (`--stages`)."""
-    port = free_port()
-    argv = [sys.executable, str(REPO / "bench" / "stage_gateway.py"), "serve"]
-    argv += ["--port", str(port), "--no-access-log", "--replica", f"http://127.0.0.1:{sim_port}"]
-    env = seawall_env({"SEAWALL_STAGES_OUT": str(work / "stages.json")})
-    proc = Proc("seawall (timed stages)", argv, work / "stage_gateway.log", env, REPO, port)
-    wait_http(f"http://127.0.0.1:{port}/readyz?fleet=1", 30, proc)
-    return proc
+    return start_plain_gateway(
+        [f"http://127.0.0.1:{sim_port}"],
+        work / "stage_gateway.log",
+        name="seawall (timed stages)",
+        launcher=(str(REPO / "bench" / "stage_gateway.py"),),
+        env={"SEAWALL_STAGES_OUT": str(work / "stages.json")},
+    )
 
 
 def read_stages(proc: Proc, path: Path) -> list[dict[str, float]]:
