@@ -144,8 +144,12 @@ def test_a_killed_llamacpp_replica_fails_only_its_own_streams(migrate: bool, fle
     # Every stream has delivered text: a stream that fails before its first token is
     # retried elsewhere whatever the tier says, which is not what this test is about.
     wait_until(lambda: all(len(o.chunks) >= 3 for o in outcomes), 20, what="all streams flowing")
-    assert victim.busy_slots() + survivor.busy_slots() == n
+    # The slots hold every stream not yet finished (under CI's load a stream that started
+    # seconds before the last one can already have run its 600 tokens: it is not part of
+    # the crash then, and nothing below counts it).
+    running = n - sum(o.done.is_set() for o in outcomes)
     on_victim = victim.busy_slots()
+    assert on_victim + survivor.busy_slots() == running
     assert 0 < on_victim < n
 
     victim.signal(signal.SIGKILL)

@@ -660,9 +660,16 @@ class Drill:
         while clock.monotonic() < deadline:
             t = clock.monotonic()
             url = self.health_url
-            health = await self._health(session, url) if url is not None else None
-            with contextlib.suppress(DrillError):
+            # The gateway's state first, then the target's /health: a sample whose /health
+            # answered then holds a state from before any crash (`_inflight_at_crash`).
+            # The other order can pair a /health answer from just before the crash with a
+            # state that already counted the dropped streams out.
+            try:
                 state = await self._get_json(session, "/admin/state")
+            except DrillError:
+                state = None
+            health = await self._health(session, url) if url is not None else None
+            if state is not None:
                 replicas = {r["id"]: r for r in state["replicas"]}
                 self.samples.append(Sample(t, replicas, health, serving_pools(state)))
             await asyncio.sleep(max(0.0, WATCH_INTERVAL_S - (clock.monotonic() - t)))
