@@ -263,6 +263,7 @@ async def test_a_server_without_metrics_is_judged_by_the_deep_probe(
 
         await until(probed, "a passed deep probe")
         assert view(monitor).load is None
+        assert view(monitor).no_metrics  # admission counts only the gateway's own requests
         assert monitor.describe()["replicas"][0]["scrape"] == "scrape failed: absent"
 
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from seawall.auth import hash_key
+from tests.support.counting_proxy import counting_proxy
 from tests.support.fleet import (
     MODEL,
     metric_sum,
@@ -329,4 +330,64 @@ def test_under_overload_clients_take_turns_without_waiting_in_the_gateway(
     assert all(n >= 1 for n in served), f"clients never served: {served}"
     assert depth[0] == 0, "a request waited in the gateway's queue"
     assert held, "no fresh request was refused for a turn held for another"
+    assert preemptions == 0
+
+
+# ------------------------------------------------------------- before the first scrape
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "reserve"])
+def test_a_replica_whose_metrics_have_not_answered_yet_takes_no_more_than_its_cache(
+    mode: str, artifacts: Path
+) -> None:
+    """A burst that arrives before the engine's first scrape has answered (a gateway just
+    started, a new leader, an engine whose /metrics is slow under load) waits for it, then
+    goes in as the cache allows. Before: a replica without a load yet counted as one
+    without /metrics, so the whole burst went to the engine, which preempted."""
+    sim = start_sim(artifacts, *SIM_ARGS, name="slowmetrics")
+    with counting_proxy(sim.port or 0) as proxy:
+        proxy.hold("/metrics")
+        port = free_port()
+        gw = start_gateway(
+            artifacts,
+            [],
+            {
+                "replicas": [{"url": f"http://127.0.0.1:{proxy.port}", "id": "r0", "model": MODEL}],
+                "admission": {"mode": mode, "queue_timeout_s": 90, "queue_max": 64},
+                "admin": {"enabled": True, "port": port, "token_hash": hash_key(TOKEN)},
+                "fleet": {"scrape_interval_s": 0.25, "scrape_timeout_s": 0.5},
+            },
+            wait_ready=False,
+        )
+        admin = f"http://127.0.0.1:{port}"
+
+        def replica() -> dict[str, Any]:
+            state = httpx.get(
+                admin + "/admin/state", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).json()
+            r: dict[str, Any] = state["replicas"][0]
+            return r
+
+        with running(gw, sim):
+            wait_until(lambda: replica()["routable"], 20, what="the replica routable")
+            assert not (replica().get("load") or {}).get("kv_capacity_tokens")
+            statuses: list[int] = []
+            burst = threading.Thread(target=lambda: statuses.extend(overload(gw.url, 9)))
+            burst.start()  # three times what the cache holds at full length
+            # Every request has reached a decision: waiting at the door, or admitted.
+            wait_until(
+                lambda: (
+                    metric_sum(scrape(gw.url), "seawall_admission_queue_depth")
+                    + replica()["inflight"]
+                    == 9
+                ),
+                20,
+                what="the burst at the gateway",
+            )
+            reserved = replica()["reserved_kv_blocks"]
+            proxy.release()
+            burst.join(120)
+            preemptions = metric_sum(scrape(sim.url), "vllm:num_preemptions_total")
+    assert reserved <= 63, reserved  # the cache's 63 usable blocks
+    assert statuses == [200] * 9
     assert preemptions == 0

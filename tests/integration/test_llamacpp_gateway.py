@@ -40,6 +40,16 @@ def stream_text(stream: Any) -> tuple[str, list[Any]]:
     return text, chunks
 
 
+def test_a_llamacpp_replica_without_metrics_is_served(fleet: Fleet) -> None:
+    """llama-server started without `--metrics` answers /metrics with 501: a replica
+    without a load view, which admission serves on the gateway's own counts (not one
+    whose first scrape is still to come, which it would wait for)."""
+    fleet.start(1, metrics=False)
+    wait_until(lambda: fleet.ready("l0"), 20, what="the replica ready")
+    answer = fleet.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+    assert answer.usage is not None and answer.usage.completion_tokens == 8
+
+
 def test_streams_through_the_gateway_carry_llamacpp_usage(fleet: Fleet) -> None:
     fleet.start(1)
     server = fleet.servers[0]

@@ -5,6 +5,10 @@ scrapes; placed between the gateways and a sim, this counts every request line b
 method and path as the sim receives it, so a test can measure exactly what the fleet
 costs each replica. It forwards bytes both ways untouched (keep-alive connections and
 all) and runs on its own event loop in a thread.
+
+`hold(path)` makes requests for `path` wait in the proxy until `release()`: an engine
+whose /metrics is slow to answer, as vLLM's can be under load, while everything else on
+it answers at once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ class CountingProxy:
         self.port = 0
         self._counts: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
+        self._held: frozenset[str] = frozenset()
+        self._released = threading.Event()
+
+    def hold(self, *paths: str) -> None:
+        """Requests for these paths wait (their bytes are not forwarded) until `release`."""
+        self._released.clear()
+        self._held = frozenset(paths)
+
+    def release(self) -> None:
+        self._held = frozenset()
+        self._released.set()
 
     def counts(self) -> Counter[tuple[str, str]]:
         with self._lock:
@@ -43,6 +58,10 @@ class CountingProxy:
                     with self._lock:
                         for method, path in found:
                             self._counts[(method.decode(), path.decode())] += 1
+                    while self._held and any(p.decode() in self._held for _, p in found):
+                        if self._released.is_set():
+                            break
+                        await asyncio.sleep(0.01)
                     # Keep the end of an unfinished line for the next read (not a
                     # counted one: a match ends with its CRLF).
                     cut = window.rfind(b"\r\n")

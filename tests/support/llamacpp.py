@@ -5,9 +5,9 @@ builds it in `./dev check`). Locally a test that needs it skips, saying how to b
 in CI it fails, because `.ci/run` must have built it. The model is written per test
 session by `tools/llamacpp/make_tiny_gguf.py` (a second or so; nothing downloaded).
 
-Every server gets `--metrics` and `--slots` (what the fleet monitor and the tests read),
-a few slots, one compute thread (the machine is shared), and `--ignore-eos`, so that a
-random model runs every request to `max_tokens`.
+Every server gets `--metrics` (unless a test asks otherwise) and `--slots` (what the
+fleet monitor and the tests read), a few slots, one compute thread (the machine is
+shared), and `--ignore-eos`, so that a random model runs every request to `max_tokens`.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def start_llama_server(
     name: str = "llama",
     slots: int = 4,
     ctx_per_slot: int = 4096,
+    metrics: bool = True,
 ) -> LlamaServer:
     """A llama-server on 127.0.0.1, ready to serve. It binds port 0 and logs the port it
     got (`llama_server: listening on http://127.0.0.1:PORT`), so no port is raced for."""
@@ -152,7 +153,7 @@ def start_llama_server(
         "127.0.0.1",
         "--port",
         "0",
-        "--metrics",
+        *(["--metrics"] if metrics else []),
         "--slots",
         "--parallel",
         str(slots),

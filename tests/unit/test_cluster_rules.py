@@ -3,8 +3,10 @@ bound, passive outlier detection, and the view and report encodings (with their 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import orjson
 import pytest
 
 from seawall import clock
@@ -212,3 +214,22 @@ def test_the_cluster_section_resolves_secrets_and_refuses_incoherent_timings(
         parse_config({"cluster": {"store": "redis", "lease_ttl_s": 1.5, "renew_interval_s": 1.0}})
     with pytest.raises(ConfigError, match=r"cluster\.stroe: unknown field"):
         parse_config({"cluster": {"stroe": "redis"}})
+
+
+def test_a_view_says_which_replicas_have_no_metrics_and_an_older_one_keeps_its_meaning() -> None:
+    """Followers admit on a replica without a load only if the leader says its engine has
+    no metrics; otherwise they wait for its first scrape. A view from a leader that
+    predates the field meant "no load, admit on own counts", and keeps meaning it."""
+    base = _view(1, 1, wall=1_700_000_000.0, scraped_at=499.0)
+    [p] = base.replicas
+    for no_metrics in (False, True):
+        view = dataclasses.replace(p.view, load=None, no_metrics=no_metrics)
+        raw = encode_view(
+            dataclasses.replace(base, replicas=(dataclasses.replace(p, view=view),)), 500.0
+        )
+        [got] = decode_view(raw, ViewClock(), received_at=10.0).replicas
+        assert got.view.load is None and got.view.no_metrics is no_metrics
+    older = orjson.loads(raw)
+    del older["replicas"][0]["view"]["no_metrics"]
+    [got] = decode_view(orjson.dumps(older), ViewClock(), received_at=10.0).replicas
+    assert got.view.no_metrics

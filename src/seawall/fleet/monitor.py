@@ -390,6 +390,7 @@ class FleetMonitor:
             rep.reason = p.view.reason
             rep.held = p.view.held
             rep.load = p.view.load
+            rep.no_metrics = p.view.no_metrics
             rep.restarts, rep.failures = p.restarts, p.failures
             rep.model = p.view.model or rep.model
             rep.signals = dataclasses.replace(
@@ -569,6 +570,7 @@ class FleetMonitor:
             wait_s = cfg.scrape_interval_s
             if rep.spec.engine == "openai":
                 rep.scrape_note = "no /metrics (openai engine): deep probe only"
+                self._no_metrics(rep, True)
                 return
             if rep.state not in (State.restarting, State.dead):
                 generation = rep.generation
@@ -580,6 +582,7 @@ class FleetMonitor:
                         rep.scrape_note = f"scrape failed: {text.reason}"
                         if text.reason == "absent":
                             wait_s *= _ABSENT_BACKOFF
+                            self._no_metrics(rep, True)
                     elif not self._on_scrape(rep, text, clock.monotonic()):
                         wait_s *= _ABSENT_BACKOFF
                     elif rep.slots is None and rep.adapter is not None:
@@ -590,9 +593,11 @@ class FleetMonitor:
         adapter = rep.adapter or self._resolve_adapter(rep.spec.engine, text)
         if adapter is None:
             rep.scrape_note = "unknown engine: no load view (set the replica's engine)"
+            self._no_metrics(rep, True)
             return False
         rep.adapter = adapter
         rep.scrape_note = ""
+        rep.no_metrics = False
         load = adapter.parse(text, scraped_at=now)
         if rep.slots:
             load = dataclasses.replace(load, slots=rep.slots)
@@ -994,6 +999,7 @@ class FleetMonitor:
             saturation_reason=decided.saturation_reason,
             held=rep.held,
             engine=rep.adapter.kind.value if rep.adapter else _configured_engine(rep.spec.engine),
+            no_metrics=rep.no_metrics,
             health_score=breakdown.total if breakdown else None,
             score_parts=tuple(breakdown.factors().items()) if breakdown else (),
         )
@@ -1001,6 +1007,11 @@ class FleetMonitor:
     def _publish_if_changed(self, rep: TrackedReplica) -> None:
         """Publish when this replica's view changed (one view built, not the fleet's)."""
         if self._view(rep) != self._snapshot.replicas.get(rep.spec.replica_id):
+            self._publish()
+
+    def _no_metrics(self, rep: TrackedReplica, value: bool) -> None:
+        if rep.no_metrics != value:
+            rep.no_metrics = value
             self._publish()
 
     def _publish(self, force: bool = False) -> None:

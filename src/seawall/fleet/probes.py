@@ -48,9 +48,9 @@ class ProbeResult:
 
 @dataclass(frozen=True, slots=True)
 class ScrapeError:
-    reason: (
-        str  # "timeout", "connect", "absent" (404: no /metrics), "http_<status>", "unknown_engine"
-    )
+    # "timeout", "connect", "absent" (404 or 501: no /metrics), "http_<status>",
+    # "unknown_engine"
+    reason: str
     status: int | None = None
     detail: str = ""
 
@@ -136,9 +136,10 @@ async def scrape_text(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             text = await resp.text(errors="replace")
-            if resp.status == 404:
-                # Plain OpenAI-compatible servers have no /metrics: not a failure, the
-                # deep probe alone decides for them.
+            if resp.status in (404, 501):
+                # Plain OpenAI-compatible servers have no /metrics (404), llama-server
+                # started without --metrics says so (501): not a failure, the deep probe
+                # alone decides for them.
                 return ScrapeError("absent", resp.status)
             if resp.status != 200:
                 return ScrapeError(f"http_{resp.status}", resp.status, text[:200])

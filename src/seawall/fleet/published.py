@@ -159,6 +159,7 @@ def _view_json(v: ReplicaView, now: float) -> dict[str, Any]:
         "saturated": v.saturated,
         "saturation_reason": v.saturation_reason,
         "held": v.held,
+        "no_metrics": v.no_metrics,
         "health_score": v.health_score,
         "score_parts": [list(p) for p in v.score_parts],
         "model": v.model,
@@ -180,6 +181,9 @@ def _view_from(rid: str, url: str, d: Mapping[str, Any], taken_at: float) -> Rep
         saturated=bool(d.get("saturated", False)),
         saturation_reason=str(d.get("saturation_reason") or ""),
         held=bool(d.get("held", False)),
+        # A leader from before this field admitted on a missing load as on one without
+        # metrics; a view that does not say keeps that.
+        no_metrics=bool(d.get("no_metrics", True)),
         health_score=d.get("health_score"),
         score_parts=tuple((str(k), float(v)) for k, v in d.get("score_parts", ())),
     )

@@ -85,6 +85,10 @@ class TrackedReplica:
     adapter: Adapter | None = None
     scrape_note: str = ""
     load: EngineLoad | None = None
+    # Its engine gives no load view (no /metrics, or one no adapter reads): admission has
+    # only the gateway's own counts there. False until a scrape says so: a replica whose
+    # first scrape has not answered yet is not one without metrics.
+    no_metrics: bool = False
     slots: int | None = None  # the engine's batch slots, once learnt (0: it has none to say)
     breakdown: ScoreBreakdown | None = None
     restarts: int = 0  # real restarts: the actuator restarted something

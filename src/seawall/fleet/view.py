@@ -34,6 +34,10 @@ class ReplicaView:
     # configured; "" while unknown. The request path asks each engine for per-chunk token
     # counts in its own dialect (migration needs them).
     engine: str = ""
+    # The engine gives no load view (see `TrackedReplica.no_metrics`): `load` stays None
+    # and admission counts only what this gateway sends. Otherwise a None `load` means
+    # "not scraped yet", and admission waits for it.
+    no_metrics: bool = False
     health_score: float | None = None  # the health score alone; None before the first
     score_parts: tuple[tuple[str, float], ...] = ()  # its factors, for the metrics
 

@@ -44,6 +44,7 @@ from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
 from seawall.metrics import Metrics
 from seawall.policy.adaptive_admission import OutputLengths
 from seawall.policy.admission import (
+    NOT_SCRAPED,
     Queue,
     Refusals,
     Turns,
@@ -371,7 +372,9 @@ class FleetAdmission:
         """Why `replica` should not take a request that may grow to `need_tokens`, or None."""
         load = view.load
         if load is None:
-            # Never scraped (an engine without /metrics): only the gateway's own count applies.
+            if not view.no_metrics:
+                return NOT_SCRAPED  # its size is a scrape away: admitting blind overfills it
+            # An engine without /metrics: only the gateway's own count applies.
             load = EngineLoad(scraped_at=now)
         load = self._trend(replica.id, load)
         counts = replica.counts

@@ -83,6 +83,9 @@ from dataclasses import dataclass
 from seawall.policy.load import EngineLoad
 
 METRICS_STALE = "metrics stale"
+# A replica whose engine has metrics, not scraped yet (a gateway just started, a new
+# leader, a /metrics slow under load): nothing says what its cache holds yet.
+NOT_SCRAPED = "no engine metrics yet (waiting for the first scrape)"
 
 
 @dataclass(frozen=True, slots=True)
