@@ -13,14 +13,35 @@ real engine received (a `traceparent`, say) without the engine having to log the
 With `delay_s` it also stands in for a WAN: every chunk, in both directions, arrives
 `delay_s` after it was sent (order kept), so a pool of sims behind it is a remote region
 on loopback. `piece=None` forwards chunks whole.
+
+The answer to a `GET /metrics` goes through whole: the fleet monitor's scrape of a vLLM
+page (tens of kilobytes) in pieces this small would take seconds, longer than its scrape
+timeout, and admission waits for a replica's first scrape. What the tests cut is what
+the request path reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
+
+
+class _Conn:
+    """One relayed connection: whether the answer now coming back is a /metrics page.
+    HTTP/1.1 answers in request order, and the gateway's clients send one request at a
+    time on a connection, so the last request line seen is the one being answered."""
+
+    whole = False
+
+    def saw(self, data: bytes) -> None:
+        for line in _REQUEST_LINE.findall(data):
+            self.whole = line == b"/metrics"
+
+
+_REQUEST_LINE = re.compile(rb"(?:GET|POST|PUT|DELETE|HEAD) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
 
 
 class ChoppingRelay:
@@ -78,8 +99,9 @@ class ChoppingRelay:
             sock = w.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        up = asyncio.ensure_future(self._pipe(c_reader, s_writer, chop=False))
-        down = asyncio.ensure_future(self._pipe(s_reader, c_writer, chop=True))
+        conn = _Conn()
+        up = asyncio.ensure_future(self._pipe(c_reader, s_writer, chop=False, conn=conn))
+        down = asyncio.ensure_future(self._pipe(s_reader, c_writer, chop=True, conn=conn))
         await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
         for t in (up, down):
             t.cancel()
@@ -87,22 +109,23 @@ class ChoppingRelay:
             w.close()
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool, conn: _Conn
     ) -> None:
         if self.delay_s > 0:
-            await self._delayed(reader, writer, chop)
+            await self._delayed(reader, writer, chop, conn)
             return
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
                 if not chop:
+                    conn.saw(data)
                     self.sent += data
                     writer.write(data)
                     await writer.drain()
                     continue
-                await self._write(writer, data)
+                await self._write(writer, data, conn)
 
-    async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        if self.piece is None:
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes, conn: _Conn) -> None:
+        if self.piece is None or conn.whole:
             writer.write(data)
             await writer.drain()
             return
@@ -112,7 +135,7 @@ class ChoppingRelay:
             await asyncio.sleep(self.pause_s)
 
     async def _delayed(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chop: bool, conn: _Conn
     ) -> None:
         """Forward each chunk `delay_s` after it arrived, in order."""
         loop = asyncio.get_running_loop()
@@ -125,7 +148,7 @@ class ChoppingRelay:
                     return
                 await asyncio.sleep(max(0.0, due - loop.time()))
                 if chop:
-                    await self._write(writer, data)
+                    await self._write(writer, data, conn)
                 else:
                     writer.write(data)
                     await writer.drain()
@@ -135,6 +158,7 @@ class ChoppingRelay:
             with contextlib.suppress(ConnectionError):
                 while data := await reader.read(65536):
                     if not chop:
+                        conn.saw(data)
                         self.sent += data
                     queue.put_nowait((loop.time() + self.delay_s, data))
             queue.put_nowait((loop.time() + self.delay_s, b""))
