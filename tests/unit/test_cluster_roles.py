@@ -226,16 +226,16 @@ async def test_a_drain_waits_for_every_instance_to_see_the_change_and_to_be_idle
     needed = (3, 8)  # the first view published after r0 left routing
     peers = Peers(needed=lambda: needed)
     # b has nothing on r0, but has not applied that view yet: it might still send some.
-    peers.update({"b": _report("b", (3, 7), 0), "c": _report("c", (3, 8), 2)})
+    peers.update({"b": _report("b", (3, 7), 0), "c": _report("c", (3, 8), 2)}, 0.0)
     waiting = asyncio.ensure_future(peers.wait_idle("r0", clock.monotonic() + 10))
     await asyncio.sleep(0)
-    peers.update({"b": _report("b", (3, 8), 1), "c": _report("c", (3, 8), 1)})
+    peers.update({"b": _report("b", (3, 8), 1), "c": _report("c", (3, 8), 1)}, 0.0)
     await asyncio.sleep(0)
     assert not waiting.done()
-    peers.update({"b": _report("b", (3, 8), 0), "c": _report("c", (3, 8), 0)})
+    peers.update({"b": _report("b", (3, 8), 0), "c": _report("c", (3, 8), 0)}, 0.0)
     assert await asyncio.wait_for(waiting, 5) == 0
     # At the deadline it answers with what is still in flight.
-    peers.update({"b": _report("b", (3, 8), 2)})
+    peers.update({"b": _report("b", (3, 8), 2)}, 0.0)
     assert await peers.wait_idle("r0", clock.monotonic() - 1) == 2
 
 
@@ -309,12 +309,24 @@ async def test_reports_carry_extra_figures_and_the_leader_can_wait_for_fresh_one
     assert await a.peers.wait_reports_since(6000.0, clock.monotonic() - 1) is False
 
 
+def test_peers_remember_when_each_instance_was_last_seen() -> None:
+    """What a new leader counts a departed instance's holds from (policy.quota.inherit)."""
+    peers = Peers()
+    peers.update({"b": InstanceReport("b"), "c": InstanceReport("c")}, 10.0)
+    peers.update({"b": InstanceReport("b")}, 11.0)
+    assert peers.last_seen == {"b": 11.0, "c": 10.0}  # c has left; its sighting stays
+    peers.update({"b": InstanceReport("b")}, 10.0 + 601.0)
+    assert peers.last_seen == {"b": 611.0}  # long gone: forgotten
+
+
 def test_chunks_relayed_never_go_down_when_an_instance_leaves() -> None:
     peers = Peers()
     r = {"r0": ReplicaReport(chunks_relayed=500)}
-    peers.update({"b": InstanceReport("b", replicas=r), "c": InstanceReport("c", replicas=r)})
+    peers.update({"b": InstanceReport("b", replicas=r), "c": InstanceReport("c", replicas=r)}, 0.0)
     assert peers.chunks_relayed_total("r0") == 1000
-    peers.update({"b": InstanceReport("b", replicas={"r0": ReplicaReport(chunks_relayed=510)})})
+    peers.update(
+        {"b": InstanceReport("b", replicas={"r0": ReplicaReport(chunks_relayed=510)})}, 0.0
+    )
     assert peers.chunks_relayed_total("r0") == 1010
 
 

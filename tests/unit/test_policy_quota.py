@@ -117,6 +117,24 @@ def test_a_new_leader_counts_the_old_leaders_holds() -> None:
     assert s2.grants == {"a": 10, "b": 90}
 
 
+def test_a_new_leader_releases_a_dead_instance_from_its_last_report_not_its_promotion() -> None:
+    """The old leader (a) died holding 100 of 100 before b's share was confirmed; b saw
+    a's last report at t=0 and takes over at t=4. a's hold is released 6 s after that
+    last report, as the old leader would have released any instance's, not 6 s after
+    the promotion (b admitted nothing for 4 s longer)."""
+    books = inherit({"a": 100, "b": 0}, now=4.0, last_seen={"a": 0.0})
+    b_wants = {"b": Claim((1, 5), 0, 100)}
+    s = split(books, b_wants, 100, (2, 6), 4.0, RELEASE_S)
+    assert s.grants == {"a": 0, "b": 0}  # a may still be using it: nothing for b yet
+    s = split(s.books, {"b": Claim((2, 6), 0, 100)}, 100, (2, 7), 5.9, RELEASE_S)
+    assert s.grants["b"] == 0
+    s = split(s.books, {"b": Claim((2, 7), 0, 100)}, 100, (2, 8), 6.1, RELEASE_S)
+    assert s.grants == {"b": 100} and "a" not in s.books
+    # An instance the successor never saw counts from the promotion.
+    never = inherit({"a": 100}, now=4.0, last_seen={})
+    assert never["a"].seen_at == 4.0
+
+
 # --------------------------------------------------------------- the fleet, simulated
 
 
@@ -230,7 +248,10 @@ def test_instances_together_never_reserve_more_than_the_capacity(
         elif kind == "failover" and fleet.views:
             # A new leader, from the last view in the store.
             _, _, holds = fleet.views[-1]
-            fleet.books = inherit(holds, fleet.now)
+            # The successor saw each instance's report when the leader did (they read
+            # the same store at the same rate).
+            seen = {n: i.read_at for n, i in fleet.insts.items()}
+            fleet.books = inherit(holds, fleet.now, seen)
             fleet.epoch += 1
         elif kind == "tick":
             ms = ev[2]

@@ -69,6 +69,8 @@ from seawall.policy.leadership import Standing, failover_bound_s, must_step_down
 log = logging.getLogger("seawall.cluster")
 
 VIEW_KEY = "fleet:view"
+# How long a departed instance's last sighting is kept (far beyond any release time).
+_SEEN_KEPT_S = 600.0
 LEADER = "leader"
 FOLLOWER = "follower"
 
@@ -177,16 +179,24 @@ class Peers:
 
     needed: Callable[[], tuple[int, int]] = lambda: (0, 0)
     reports: dict[str, InstanceReport] = field(default_factory=dict)
+    # When each instance's report was last among the members read (monotonic seconds),
+    # kept a while after it is gone: a new leader counts a departed instance's holds
+    # from then, not from its own promotion (`policy.quota.inherit`).
+    last_seen: dict[str, float] = field(default_factory=dict)
     # Chunks relayed by instances that have left, kept so that the sum never goes down.
     _retired_chunks: dict[str, int] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def update(self, reports: Mapping[str, InstanceReport]) -> None:
+    def update(self, reports: Mapping[str, InstanceReport], now: float) -> None:
         for name, old in self.reports.items():
             if name not in reports:
                 for rid, r in old.replicas.items():
                     self._retired_chunks[rid] = self._retired_chunks.get(rid, 0) + r.chunks_relayed
         self.reports = dict(reports)
+        for name in reports:
+            self.last_seen[name] = now
+        for name in [n for n, t in self.last_seen.items() if now - t > _SEEN_KEPT_S]:
+            del self.last_seen[name]
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -496,7 +506,7 @@ class RoleManager:
             live = max(live, self._instances)
         changed = live != self._instances
         self._instances = live
-        self.peers.update(reports)
+        self.peers.update(reports, clock.monotonic())
         if changed:
             self.hooks.instances_changed(live)
 

@@ -892,7 +892,13 @@ class Gateway:
             replicas=self._cluster_reports(),
         )
         everyone = {**reports, cluster.instance: own}
-        return issuer.issue(everyone, cluster.publishing, clock.monotonic(), cluster.all_quotas())
+        return issuer.issue(
+            everyone,
+            cluster.publishing,
+            clock.monotonic(),
+            cluster.all_quotas(),
+            cluster.peers.last_seen,
+        )
 
     def _quota_capacities(self) -> dict[str, dict[str, int]]:
         """What the leader divides per replica: its KV blocks as admission counts them

@@ -204,7 +204,9 @@ class QuotaIssuer:
         self._last.clear()
         self._fresh = True
 
-    def _inherit(self, quotas: Mapping[str, Any], now: float) -> None:
+    def _inherit(
+        self, quotas: Mapping[str, Any], now: float, last_seen: Mapping[str, float]
+    ) -> None:
         holds: dict[tuple[str, str], dict[str, int]] = {}
         for name, entry in quotas.items():
             if not isinstance(entry, Mapping):
@@ -221,7 +223,7 @@ class QuotaIssuer:
                             continue
                         holds.setdefault((str(rid), resource), {})[str(name)] = hold
         for key, by_name in holds.items():
-            self._books[key] = inherit(by_name, now)
+            self._books[key] = inherit(by_name, now, last_seen)
 
     def issue(
         self,
@@ -229,11 +231,14 @@ class QuotaIssuer:
         order: Order,
         now: float,
         last_view_quotas: Mapping[str, Any],
+        last_seen: Mapping[str, float] | None = None,
     ) -> dict[str, dict[str, dict[str, list[int]]]]:
-        """Every instance's entry for the view `order` (see the module docstring)."""
+        """Every instance's entry for the view `order` (see the module docstring).
+        `last_seen`: when each instance's report was last read (`Peers.last_seen`), for
+        a new leader's inherited holds."""
         if self._fresh:
             self._fresh = False
-            self._inherit(last_view_quotas, now)
+            self._inherit(last_view_quotas, now, last_seen or {})
         out: dict[str, dict[str, dict[str, list[int]]]] = {}
         capacities = self.capacities()
         for rid, per in capacities.items():

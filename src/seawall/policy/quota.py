@@ -53,6 +53,9 @@ make exact: past `release_after_s` its share may be granted again.
 A new leader. The books are the leader's own state; a successor starts them from the
 last view's published holds (`inherit`), each counted as issued since the beginning, so
 that nothing an instance may still use from an earlier leader's grants is forgotten.
+An instance whose report the successor last saw some time ago (the old leader itself,
+dead) keeps its hold for `release_after_s` from that sighting, as it would have under
+the old leader, not from the promotion.
 """
 
 from __future__ import annotations
@@ -206,10 +209,17 @@ def split(
     return Split(out, grants, capacity)
 
 
-def inherit(holds: Mapping[str, int], now: float) -> dict[str, Book]:
+def inherit(
+    holds: Mapping[str, int], now: float, last_seen: Mapping[str, float] | None = None
+) -> dict[str, Book]:
     """A new leader's books, from the holds the last view published: each counted as
     issued before any view, so that it stays in the exposure until the instance has
-    confirmed a grant of this leader's."""
+    confirmed a grant of this leader's. `last_seen`: when the new leader last saw each
+    instance's report (`now` for one it never saw): an instance that has stopped
+    reporting is released `release_after_s` after that, as under the old leader, not
+    after the new one took over."""
+    seen = last_seen or {}
     return {
-        name: Book(issued=((BEFORE_ANY, max(int(h), 0)),), seen_at=now) for name, h in holds.items()
+        name: Book(issued=((BEFORE_ANY, max(int(h), 0)),), seen_at=min(now, seen.get(name, now)))
+        for name, h in holds.items()
     }
