@@ -15,6 +15,7 @@ What a user of workers must be able to count on:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -276,19 +277,31 @@ def test_a_dead_worker_is_replaced_and_sigterm_drains_every_worker(
         )
 
     # Streams through the survivor (its own admin port is not the client port, so go
-    # through the shared port and keep the ones the survivor took).
+    # through the shared port and keep the ones the survivor took). The kernel spreads
+    # connections over the workers at random: once in CI none of six reached the
+    # survivor (all six on the leader is a 1-in-64 draw), so more are sent until the
+    # survivor has one, at most 24.
     results: list[dict[str, Any]] = []
-    threads = [
-        threading.Thread(target=stream_events, args=(served.url, 400, results)) for _ in range(6)
-    ]
-    for t in threads:
-        t.start()
-    wait_until(
-        lambda: sum(r["inflight"] for r in worker_state(survivor)["replicas"]) >= 1,
-        10,
-        what="streams in flight on the survivor",
-    )
-    on_survivor = sum(r["inflight"] for r in worker_state(survivor)["replicas"])
+    threads: list[threading.Thread] = []
+
+    def inflight(worker: dict[str, Any]) -> int:
+        return sum(r["inflight"] for r in worker_state(worker)["replicas"])
+
+    while len(threads) < 24:
+        batch = [
+            threading.Thread(target=stream_events, args=(served.url, 400, results))
+            for _ in range(6)
+        ]
+        for t in batch:
+            t.start()
+        threads += batch
+        with contextlib.suppress(AssertionError):  # all on the leader: another batch
+            sent = len(threads)
+            wait_until(lambda n=sent: inflight(survivor) >= 1 or inflight(leader) >= n, 10)
+        if inflight(survivor):
+            break
+    wait_until(lambda: inflight(survivor) >= 1, 10, what="streams in flight on the survivor")
+    on_survivor = inflight(survivor)
     killed_at = time.monotonic()
     os.kill(leader["pid"], signal.SIGKILL)
     # As the survivor sees it: another instance leads (the survivor, or the replacement
