@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 import threading
+
+from tests.support.counting_proxy import REQUEST_LINE
 
 
 class _Conn:
@@ -37,11 +38,8 @@ class _Conn:
     whole = False
 
     def saw(self, data: bytes) -> None:
-        for line in _REQUEST_LINE.findall(data):
-            self.whole = line == b"/metrics"
-
-
-_REQUEST_LINE = re.compile(rb"(?:GET|POST|PUT|DELETE|HEAD) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
+        for _, path in REQUEST_LINE.findall(data):
+            self.whole = path == b"/metrics"
 
 
 class ChoppingRelay:

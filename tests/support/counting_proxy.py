@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 # A request line at the start of a request (HTTP/1.1, as aiohttp and the gateway send).
-_REQUEST_LINE = re.compile(rb"(GET|POST|PUT|DELETE|HEAD) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
+REQUEST_LINE = re.compile(rb"(GET|POST|PUT|DELETE|HEAD) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
 
 
 class CountingProxy:
@@ -30,17 +30,14 @@ class CountingProxy:
         self.port = 0
         self._counts: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
-        self._held: frozenset[str] = frozenset()
-        self._released = threading.Event()
+        self._held: frozenset[str] = frozenset()  # swapped whole: read from the loop
 
     def hold(self, *paths: str) -> None:
         """Requests for these paths wait (their bytes are not forwarded) until `release`."""
-        self._released.clear()
         self._held = frozenset(paths)
 
     def release(self) -> None:
         self._held = frozenset()
-        self._released.set()
 
     def counts(self) -> Counter[tuple[str, str]]:
         with self._lock:
@@ -54,13 +51,11 @@ class CountingProxy:
             while data := await reader.read(65536):
                 if count:
                     window = tail + data
-                    found = _REQUEST_LINE.findall(window)
+                    found = REQUEST_LINE.findall(window)
                     with self._lock:
                         for method, path in found:
                             self._counts[(method.decode(), path.decode())] += 1
-                    while self._held and any(p.decode() in self._held for _, p in found):
-                        if self._released.is_set():
-                            break
+                    while any(p.decode() in self._held for _, p in found):
                         await asyncio.sleep(0.01)
                     # Keep the end of an unfinished line for the next read (not a
                     # counted one: a match ends with its CRLF).

@@ -205,7 +205,7 @@ class QuotaIssuer:
         self._fresh = True
 
     def _inherit(
-        self, quotas: Mapping[str, Any], now: float, last_seen: Mapping[str, float]
+        self, quotas: Mapping[str, Any], now: float, last_seen: Mapping[str, float] | None
     ) -> None:
         holds: dict[tuple[str, str], dict[str, int]] = {}
         for name, entry in quotas.items():
@@ -238,7 +238,7 @@ class QuotaIssuer:
         a new leader's inherited holds."""
         if self._fresh:
             self._fresh = False
-            self._inherit(last_view_quotas, now, last_seen or {})
+            self._inherit(last_view_quotas, now, last_seen)
         out: dict[str, dict[str, dict[str, list[int]]]] = {}
         capacities = self.capacities()
         for rid, per in capacities.items():
