@@ -212,15 +212,19 @@ def start_plain_gateway(
     python: str = sys.executable,
     launcher: Sequence[str] = ("-m", "seawall"),
     env: dict[str, str] | None = None,
+    config: Path | None = None,
 ) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
-    `--replica` (no config file, no access log), ready with a usable replica. `src`:
+    `--replica` (no access log; a config file only with `config`), ready with a usable
+    replica. `src`:
     another version's `src/` to run (see `baseline_src`), instead of this checkout's.
     `python`: the interpreter (another one needs Seawall's dependencies installed).
     `launcher`: what `python` runs in place of `-m seawall` (a script taking Seawall's
     command line, such as `stage_gateway.py`); `env`: more environment for it."""
     port = free_port()
     argv = [python, *launcher, "serve", "--port", str(port), "--no-access-log"]
+    if config is not None:
+        argv += ["--config", str(config)]
     for u in upstreams:
         argv += ["--replica", u]
     extra = {**(env or {}), **({"PYTHONPATH": str(src)} if src is not None else {})}

@@ -1,7 +1,7 @@
 """What one hop through `seawall serve` adds to a lone request's time to first token.
 
     python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--baseline REV]... [--python PY]...
-        [--stages]
+        [--stages] [--tenant]
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
@@ -26,6 +26,9 @@ with Seawall's dependencies installed (`PY -m pip install -e .`). `--stages` add
 more, this checkout's gateway with a timestamp at each stage of a request's way through
 it (`stage_gateway.py`), and prints where its time goes, stage by stage (p50 and mean):
 that target's own TTFT includes the timestamps' cost, so read the hop from the others.
+`--tenant` runs every gateway with one keyed tenant and a tier with every limit a request
+meets on its way in (none reached), and sends its key with every request: the hop of the
+shape production runs, where the default is a gateway with nothing configured.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ MODEL = "sim-model"
 class Client:
     """One kept-alive HTTP/1.1 connection, one request at a time."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, key: str | None = None) -> None:
         self.port = port
+        self.auth = f"Authorization: Bearer {key}\r\n" if key else ""
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def ttft_s(self, n: int, max_tokens: int) -> float:
@@ -86,7 +90,7 @@ class Client:
         ).encode()
         head = (
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self.auth}\r\n"
         ).encode()
         sent = time.perf_counter()
         writer.write(head + body)
@@ -104,8 +108,10 @@ class Client:
         return first
 
 
-async def measure(targets: dict[str, int], rounds: int, max_tokens: int) -> dict[str, list[float]]:
-    clients = {name: Client(port) for name, port in targets.items()}
+async def measure(
+    targets: dict[str, int], rounds: int, max_tokens: int, key: str | None = None
+) -> dict[str, list[float]]:
+    clients = {name: Client(port, key) for name, port in targets.items()}
     got: dict[str, list[float]] = {name: [] for name in targets}
     rng = random.Random(14)
     for n in range(rounds):
@@ -118,7 +124,34 @@ async def measure(targets: dict[str, int], rounds: int, max_tokens: int) -> dict
     return got
 
 
-def start_stage_gateway(sim_port: int, work: Path) -> Proc:
+def tenant_config(work: Path) -> tuple[Path, str]:
+    """A config with one tenant, its key and a tier with every limit a request meets on
+    its way in (prompt and output bounds, request and token rates, concurrency), none of
+    them reached by the bench: the path a keyed, limited request takes (`--tenant`)."""
+    from seawall.auth import hash_key, new_key
+
+    key = new_key()
+    path = work / "tenant.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                "tiers": {
+                    "gold": {
+                        "max_prompt_tokens": 16000,
+                        "max_tokens": 4096,
+                        "requests_per_min": 1_000_000,
+                        "prompt_tokens_per_min": 100_000_000,
+                        "max_concurrent": 64,
+                    }
+                },
+                "tenants": {"bench": {"tier": "gold", "api_key_hashes": [hash_key(key)]}},
+            }
+        )
+    )
+    return path, key
+
+
+def start_stage_gateway(sim_port: int, work: Path, config: Path | None = None) -> Proc:
     """`stage_gateway.py serve` in front of the sim, ready (`--stages`)."""
     return start_plain_gateway(
         [f"http://127.0.0.1:{sim_port}"],
@@ -126,6 +159,7 @@ def start_stage_gateway(sim_port: int, work: Path) -> Proc:
         name="seawall (timed stages)",
         launcher=(str(REPO / "bench" / "stage_gateway.py"),),
         env={"SEAWALL_STAGES_OUT": str(work / "stages.json")},
+        config=config,
     )
 
 
@@ -192,6 +226,11 @@ def main() -> int:
     parser.add_argument(
         "--stages", action="store_true", help="also a gateway timing each stage of a request"
     )
+    parser.add_argument(
+        "--tenant",
+        action="store_true",
+        help="every gateway with a keyed tenant and tier limits, every request with its key",
+    )
     args = parser.parse_args()
     print(machine_context())
     work = Path(tempfile.mkdtemp(prefix="bench-hop-"))
@@ -203,7 +242,10 @@ def main() -> int:
         )
         procs.append(sim)
         wait_http(f"http://127.0.0.1:{sim_port}/health", 30, sim)
-        gateway = start_plain_gateway([f"http://127.0.0.1:{sim_port}"], work / "gateway.log")
+        config, key = tenant_config(work) if args.tenant else (None, None)
+        gateway = start_plain_gateway(
+            [f"http://127.0.0.1:{sim_port}"], work / "gateway.log", config=config
+        )
         procs.append(gateway)
         targets = {"direct": sim_port, "seawall": gateway.port}
         for rev in args.baseline:
@@ -212,6 +254,7 @@ def main() -> int:
                 work / f"seawall-{rev}.log",
                 src=baseline_src(rev),
                 name=f"seawall@{rev}",
+                config=config,
             )
             procs.append(base)
             targets[base.name] = base.port
@@ -227,6 +270,7 @@ def main() -> int:
                 work / f"python-{version}.log",
                 name=f"seawall@py{version}",
                 python=py,
+                config=config,
             )
             procs.append(other)
             targets[other.name] = other.port
@@ -236,10 +280,10 @@ def main() -> int:
             targets[floor.name] = floor.port
         timed: Proc | None = None
         if args.stages:
-            timed = start_stage_gateway(sim_port, work)
+            timed = start_stage_gateway(sim_port, work, config)
             procs.append(timed)
             targets[timed.name] = timed.port or 0
-        got = asyncio.run(measure(targets, args.rounds, args.max_tokens))
+        got = asyncio.run(measure(targets, args.rounds, args.max_tokens, key))
         stages = read_stages(timed, work / "stages.json") if timed is not None else []
     finally:
         for p in reversed(procs):
@@ -256,7 +300,8 @@ def main() -> int:
         )  # fmt: skip
     print(
         f"\none request at a time, {args.rounds} to each target in random order, "
-        f"{args.max_tokens} output tokens, one sim replica\n"
+        f"{args.max_tokens} output tokens, one sim replica"
+        f"{'; the gateways with a keyed, limited tenant (--tenant)' if args.tenant else ''}\n"
     )
     print_table(["target", "n", "TTFT p50 ms", "p90", "mean", "p50 minus direct"], rows)
     print(
