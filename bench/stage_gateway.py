@@ -115,19 +115,24 @@ def upstream_data(self: Any, data: bytes) -> None:
 _commit = relay.Relay.commit
 
 
-def commit(request: Any, ctx: Any) -> Any:
-    inner = _commit(request, ctx)
+def commit(self: Any, request: Any, ctx: Any) -> Any:
+    inner = _commit(self, request, ctx)
     if inner is None:
         return None
 
-    def timed(headers: Any, out: bytes) -> bool:
-        written = inner(headers, out)
-        if "token in" in _current:
-            _stamp("token out")
-            _done()
-        return written
+    def commit_for(strip: frozenset[str]) -> Any:
+        written_by = inner(strip)
 
-    return timed
+        def timed(headers: Any, events: Any, pending: bytes) -> bool:
+            written = written_by(headers, events, pending)
+            if written and "token in" in _current:
+                _stamp("token out")
+                _done()
+            return written
+
+        return timed
+
+    return commit_for
 
 
 _write = relay._EventStream.write
@@ -154,7 +159,7 @@ proxy.Proxy.handle = handle  # type: ignore[method-assign]
 app.admission_stack = admission_stack  # type: ignore[attr-defined]  # imported by name
 h1.H1Connection.send = send  # type: ignore[method-assign]
 h1.H1Connection.data_received = upstream_data  # type: ignore[method-assign]
-relay.Relay.commit = staticmethod(commit)  # type: ignore[method-assign]
+relay.Relay.commit = commit  # type: ignore[method-assign]
 relay._EventStream.write = write  # type: ignore[method-assign,assignment]
 signal.signal(signal.SIGUSR1, dump)
 

@@ -1,9 +1,10 @@
 """A stream's head and first token, written from the upstream's socket callback.
 
-For a stream relayed as the engine wrote it, the gateway writes the response's head and
-the first token to the client the moment the token arrives (`relay.Relay.commit`),
-without aiohttp; a stream that needs event-level work (here: a tier with migration) is
-written through aiohttp as before. A client must not be able to tell the two apart:
+The gateway writes the response's head and the first token to the client the moment the
+token arrives (`relay.Relay.commit`), without aiohttp, for a stream relayed as the engine
+wrote it and for one read event by event (a tier with migration or a token rate), whose
+head is filtered first; an HTTP/1.0 client's stream, or a head that holds the usage or
+the end, is written through aiohttp. A client must not be able to tell the two apart:
 same status, same headers, valid chunked framing, keep-alive kept or closed as asked.
 And a drain cut that lands between that write and the relay taking the stream over
 must end the stream the way every cut stream ends, not answer a second time."""
@@ -21,7 +22,7 @@ import pytest
 from seawall.config import parse_config
 from seawall.gateway.app import Gateway
 from seawall.gateway.context import RequestCtx
-from seawall.gateway.upstream import Commit
+from seawall.gateway.upstream import Commit, CommitFor
 from tests.support.fleet import MODEL, running, start_gateway, start_sim
 
 pytestmark = pytest.mark.integration
@@ -97,13 +98,13 @@ def events(body: bytes) -> list[str]:
 
 
 def test_a_stream_reads_the_same_whichever_path_wrote_its_head(artifacts: Path) -> None:
+    """The head written from the socket callback (a `seawall serve` process) against the
+    head aiohttp writes (an in-process gateway whose relay is given no `commit`, as for an
+    HTTP/1.0 client or a head that holds the usage)."""
     sim = start_sim(artifacts)
     with running(sim):
         raw = start_gateway(artifacts, [sim], name="raw")  # the head from the callback
-        parsed = start_gateway(  # migration tracks the text: the head through aiohttp
-            artifacts, [sim], {"tiers": {"default": {"migrate": True}}}, name="parsed"
-        )
-        with running(raw, parsed):
+        with running(raw):
 
             async def drive(port: int) -> tuple[list[tuple[str, dict, bytes]], bool]:
                 conn = Exchange(port)
@@ -115,13 +116,21 @@ def test_a_stream_reads_the_same_whichever_path_wrote_its_head(artifacts: Path) 
                     conn.close()
 
             async def both() -> list[tuple[list[tuple[str, dict, bytes]], bool]]:
-                return [await drive(raw.port or 0), await drive(parsed.port or 0)]
+                config = {"replicas": [{"url": sim.url, "model": MODEL}], "listen": {"port": 0}}
+                gw = Gateway(parse_config(config), access_log=False)
+                port = await gw.start()
+                gw.proxy.relay.commit = lambda request, ctx: None  # type: ignore[method-assign]
+                try:
+                    await until_ready(port)
+                    return [await drive(raw.port or 0), await drive(port)]
+                finally:
+                    await gw.close()
 
-            (raw_got, raw_closed), (parsed_got, parsed_closed) = asyncio.run(both())
+            (raw_got, raw_closed), (aio_got, aio_closed) = asyncio.run(both())
 
-    assert raw_closed and parsed_closed  # `Connection: close` honoured on both paths
+    assert raw_closed and aio_closed  # `Connection: close` honoured on both paths
     for (r_status, r_headers, r_body), (p_status, p_headers, p_body) in zip(
-        raw_got, parsed_got, strict=True
+        raw_got, aio_got, strict=True
     ):
         assert r_status == p_status == "HTTP/1.1 200 OK"
         # Same headers, same values, but for the per-response ones.
@@ -138,7 +147,7 @@ def test_a_stream_reads_the_same_whichever_path_wrote_its_head(artifacts: Path) 
                 c["delta"].get("content") or "" for e in evs[:-1] for c in json.loads(e)["choices"]
             )
             assert text, body  # a whole answer, its first token included
-    assert raw_got[2][1]["connection"] == parsed_got[2][1]["connection"] == "close"
+    assert raw_got[2][1]["connection"] == aio_got[2][1]["connection"] == "close"
     assert "connection" not in raw_got[0][1]  # HTTP/1.1 keep-alive: no header, as aiohttp
 
 
@@ -160,17 +169,22 @@ def test_a_drain_cut_between_the_first_token_and_the_relay_ends_the_stream(
             relay = gw.proxy.relay
             real = relay.commit
 
-            def commit_then_cut(request: aiohttp.web.Request, ctx: RequestCtx) -> Commit | None:
+            def commit_then_cut(request: aiohttp.web.Request, ctx: RequestCtx) -> CommitFor | None:
                 inner = real(request, ctx)
                 assert inner is not None  # a plain stream: the callback path
 
-                def commit(headers: Any, out: bytes) -> bool:
-                    written = inner(headers, out)
-                    assert ctx.ticket is not None
-                    ctx.ticket.cut("drain deadline")
-                    return written
+                def commit_for(strip: frozenset[str]) -> Commit:
+                    commit = inner(strip)
 
-                return commit
+                    def then_cut(headers: Any, events: Any, pending: bytes) -> bool:
+                        written = commit(headers, events, pending)
+                        assert ctx.ticket is not None
+                        ctx.ticket.cut("drain deadline")
+                        return written
+
+                    return then_cut
+
+                return commit_for
 
             relay.commit = commit_then_cut  # type: ignore[method-assign]
             try:
@@ -237,3 +251,61 @@ def test_an_unhandled_error_after_the_first_token_went_out_cuts_the_connection(
     assert got.count(b"HTTP/1.1 ") == 1, got  # no error response inside the stream
     assert b'"content":"' in got  # the first token reached the client
     assert not got.endswith(b"0\r\n\r\n")  # cut short, not a complete stream
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"migrate": True},  # the text is tracked, per-chunk counts are asked for and stripped
+        {"prompt_tokens_per_min": 10_000_000},  # usage is asked for, read and stripped
+    ],
+    ids=["migrating tier", "token-rate tier"],
+)
+def test_a_stream_read_event_by_event_gets_its_first_token_from_the_callback_too(
+    artifacts: Path, tier: dict[str, Any]
+) -> None:
+    """A tier with migration or a token rate makes the relay read every event (to track
+    the text, to read and strip the usage it asked for): its head and first token still
+    go out from the upstream's socket callback, filtered as the relay filters them (an
+    event-level stream took 0.13 ms longer through aiohttp's path, `bench_hop.py
+    --tenant`). The client reads the same stream: no usage or counts it did not ask
+    for, the whole answer, `[DONE]`. (In-process, to see which path wrote the head.)"""
+    sim = start_sim(artifacts)
+    with running(sim):
+
+        async def main() -> tuple[list[bool], list[bytes]]:
+            config = {
+                "replicas": [{"url": sim.url, "model": MODEL}],
+                "listen": {"port": 0},
+                "tiers": {"default": tier},
+            }
+            gw = Gateway(parse_config(config), access_log=False)
+            port = await gw.start()
+            relay = gw.proxy.relay
+            real = relay.stream
+            head_sent: list[bool] = []
+
+            async def stream(request: Any, ctx: RequestCtx, opened: Any) -> Any:
+                head_sent.append(ctx.stream.head_sent)
+                return await real(request, ctx, opened)
+
+            relay.stream = stream  # type: ignore[method-assign]
+            conn = Exchange(port)
+            try:
+                await until_ready(port)
+                bodies = [(await conn.post(CHAT))[2] for _ in range(3)]
+                return head_sent, bodies
+            finally:
+                conn.close()
+                await gw.close()
+
+        head_sent, bodies = asyncio.run(main())
+    assert head_sent == [True, True, True]
+    for body in bodies:
+        evs = events(body)
+        assert evs[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in evs[:-1]]
+        assert all("usage" not in c or c["usage"] is None for c in chunks), body
+        assert all(c["choices"] for c in chunks), body  # no usage chunk: not asked for
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert len(text.split()) >= 1, body

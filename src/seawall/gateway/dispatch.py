@@ -32,7 +32,7 @@ from seawall.gateway.migrate import counting_request
 from seawall.gateway.outcomes import ATTEMPT_RULES, Attempt, Failure, client_error
 from seawall.gateway.pools import PoolRouter, one_pool_reach
 from seawall.gateway.replicas import Replica, ReplicaSet, blocks_for
-from seawall.gateway.upstream import AttemptFailed, Commit, Opened, Upstream
+from seawall.gateway.upstream import AttemptFailed, CommitFor, Opened, Upstream
 from seawall.metrics import Metrics
 from seawall.policy.admission import slot_free
 from seawall.policy.deadline import first_token_wait
@@ -85,7 +85,7 @@ class Dispatcher:
     # -- the request's first token ------------------------------------------------------
 
     async def open(
-        self, ctx: RequestCtx, body: bytes | dict[str, Any], commit: Commit | None = None
+        self, ctx: RequestCtx, body: bytes | dict[str, Any], commit: CommitFor | None = None
     ) -> Opened:
         """An upstream that produced the first token (or whole body), or raise the
         client's `ApiError`. `commit`: the relay's, to send the first token on from the
@@ -157,7 +157,7 @@ class Dispatcher:
         body: bytes | dict[str, Any],
         leg: _Leg | None = None,
         ttft_s: float | None = None,
-        commit: Commit | None = None,
+        commit: CommitFor | None = None,
     ) -> Opened:
         """One attempt on `replica`, holding its in-flight claim until the returned
         `Opened` is closed (or at once, on failure). `body` as an object: the request is
@@ -216,7 +216,7 @@ class Dispatcher:
                 max(wait.seconds, 0.001),
                 Attempt.ttft_timeout if wait.kind == "ttft" else Attempt.total_timeout,
                 trace,
-                commit if served is None else None,
+                commit(strip) if commit is not None and served is None else None,
             )
         except AttemptFailed as f:
             hold.release()

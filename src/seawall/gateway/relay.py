@@ -1,14 +1,16 @@
 """After the first token: relay the stream byte for byte, with the inter-token and total
 timeouts, and end it cleanly whatever happens.
 
-The head (the events up to the first token) goes out with the response's headers. For a
-stream relayed as the engine wrote it, to an HTTP/1.1 client, both are written from the
-upstream's socket callback the moment the first token arrives (`Relay.commit`, called
-by `upstream._Head`), as aiohttp would write them; otherwise through aiohttp, once the
-attempt's coroutine has the token. After it, each read from the replica is written to
-the client's transport from the upstream's socket callback (`_Feed.feed`), with no task
-switch per chunk; the relaying coroutine only waits for the end, a timeout, or a full
-client socket (then reading from the replica pauses until the client drains).
+The head (the events up to the first token) goes out with the response's headers. To an
+HTTP/1.1 client, both are written from the upstream's socket callback the moment the
+first token arrives (`Relay.commit`, called by `upstream._Head`), as aiohttp would write
+them, the head filtered first when the stream is read event by event; otherwise (an
+HTTP/1.0 client, a head that already holds the usage or the end, an event-level stream
+in another dialect) through aiohttp, once the attempt's coroutine has the token. After
+it, each read from the replica is written to the client's transport from the upstream's
+socket callback (`_Feed.feed`), with no task switch per chunk; the relaying coroutine
+only waits for the end, a timeout, or a full client socket (then reading from the
+replica pauses until the client drains).
 
 There is no retry after the first token: the client holds part of the answer. A failure
 ends the stream with an error event and `data: [DONE]`, unless the tier opted into
@@ -43,7 +45,7 @@ from seawall.gateway.idle import IdleDeadline
 from seawall.gateway.migrate import combined_usage, continuation_body, running_count
 from seawall.gateway.outcomes import STREAM_RULES, StreamEnd, stream_error
 from seawall.gateway.replicas import Replica
-from seawall.gateway.upstream import AttemptFailed, Commit, Opened
+from seawall.gateway.upstream import AttemptFailed, Commit, CommitFor, Opened
 from seawall.metrics import Metrics
 from seawall.policy.retry_budget import RetryBudget
 from seawall.protocol.sse import (
@@ -52,6 +54,7 @@ from seawall.protocol.sse import (
     DONE_EVENT,
     Dialect,
     EndWatch,
+    Event,
     Kind,
     body_usage,
     choice_text,
@@ -68,6 +71,10 @@ from seawall.protocol.sse import (
 _TAIL = max(len(DONE_EVENT), len(ABORT_MARK))
 
 _CLIENT_LEFT = "client_left"
+
+# What a head read event by event may hold for `commit` to filter it: the role chunk,
+# tokens and comments (not the usage, an abort or the end: the relay's coroutine's).
+_HEAD_KINDS = frozenset((Kind.PRELUDE, Kind.TOKEN, Kind.COMMENT))
 _SSE_TYPE = "text/event-stream; charset=utf-8"  # when the engine names none
 
 # How long a stream whose answer has ended (`[DONE]`) waits for its upstream's response to
@@ -121,39 +128,57 @@ class Relay:
         finally:
             opened.close()
 
-    @staticmethod
-    def commit(request: web.Request, ctx: RequestCtx) -> Commit | None:
+    def commit(self, request: web.Request, ctx: RequestCtx) -> CommitFor | None:
         """The writer of this request's response head and first token from the upstream's
-        socket callback, or None when the stream needs more than the raw relay (events
-        to parse: `_parses_events`) or the client does not speak HTTP/1.1 (no chunks)."""
+        socket callback, or None when the client does not speak HTTP/1.1 (no chunks) or
+        the stream's events are read in a dialect other than OpenAI's (`_filter_typed`).
+        A stream read event by event (`_parses_events`: migration, usage to read or
+        strip) has its head filtered here as `_pump` would; one whose head holds more
+        than the role and tokens (usage, an abort) is left to the relay's coroutine."""
         req = ctx.req
-        if req is None or not req.stream or _parses_events(ctx):
+        if req is None or not req.stream:
+            return None
+        parse = _parses_events(ctx)
+        if parse and req.dialect is not Dialect.openai:
             return None
         if request.version != HttpVersion11:
             return None
         close = "" if request.keep_alive else "Connection: close\r\n"
 
-        def commit(headers: Mapping[str, str], out: bytes) -> bool:
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return False  # the client left: the attempt's cancellation says so
-            # Ours (the engine's content type cannot hold CR or LF: llhttp refuses
-            # them), then those aiohttp adds to a chunked HTTP/1.1 response.
-            ours = _stream_headers(headers, ctx.request_id)
-            head = "".join(f"{k}: {v}\r\n" for k, v in ours.items())
-            head = (
-                f"HTTP/1.1 200 OK\r\n{head}Transfer-Encoding: chunked\r\n"
-                f"Date: {rfc822_formatted_time()}\r\nServer: {SERVER_SOFTWARE}\r\n{close}\r\n"
-            )
-            data = head.encode("latin-1") + b"%x\r\n%b\r\n" % (len(out), out)
-            transport.write(data)
-            # Counted where aiohttp counts what it wrote: the front door's last resort
-            # answers an error only to a client that has received nothing.
-            request.writer.output_size += len(data)
-            ctx.stream.head_sent = True
-            return True
+        def commit_for(strip: frozenset[str]) -> Commit:
+            def commit(headers: Mapping[str, str], events: list[Event], pending: bytes) -> bool:
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return False  # the client left: the attempt's cancellation says so
+                if not parse:
+                    out = b"".join(e.raw for e in events) + pending
+                elif all(e.kind in _HEAD_KINDS for e in events):
+                    self._counting(ctx, strip)
+                    out, _ = self._filter(ctx, [e.raw for e in events])
+                else:
+                    return False
+                # Ours (the engine's content type cannot hold CR or LF: llhttp refuses
+                # them), then those aiohttp adds to a chunked HTTP/1.1 response.
+                ours = _stream_headers(headers, ctx.request_id)
+                head = "".join(f"{k}: {v}\r\n" for k, v in ours.items())
+                head = (
+                    f"HTTP/1.1 200 OK\r\n{head}Transfer-Encoding: chunked\r\n"
+                    f"Date: {rfc822_formatted_time()}\r\nServer: {SERVER_SOFTWARE}\r\n"
+                    f"{close}\r\n"
+                )
+                data = head.encode("latin-1")
+                if out:  # (an empty chunk would end the body)
+                    data += b"%x\r\n%b\r\n" % (len(out), out)
+                transport.write(data)
+                # Counted where aiohttp counts what it wrote: the front door's last resort
+                # answers an error only to a client that has received nothing.
+                request.writer.output_size += len(data)
+                ctx.stream.head_sent = True
+                return True
 
-        return commit
+            return commit
+
+        return commit_for
 
     async def end_committed(
         self, request: web.Request, ctx: RequestCtx, end: StreamEnd
@@ -185,7 +210,7 @@ class Relay:
         ctx.stage = "streaming"
         ctx.status = 200
         st.opened = opened
-        self._counting(ctx, opened)
+        self._counting(ctx, opened.strip)
         if opened.hold is not None:
             opened.hold.stream()
         try:
@@ -202,12 +227,13 @@ class Relay:
         return resp
 
     @staticmethod
-    def _counting(ctx: RequestCtx, opened: Opened) -> None:
-        """What this upstream was asked for on our behalf is stripped from the client's
-        stream: the per-chunk counts, and the usage chunk if the client did not ask."""
+    def _counting(ctx: RequestCtx, strip: frozenset[str]) -> None:
+        """What this upstream was asked for on our behalf (`Opened.strip`) is stripped
+        from the client's stream: the per-chunk counts, and the usage chunk if the client
+        did not ask."""
         st = ctx.stream
-        st.strip = opened.strip
-        if "usage" in opened.strip and ctx.req is not None and not ctx.req.include_usage:
+        st.strip = strip
+        if "usage" in strip and ctx.req is not None and not ctx.req.include_usage:
             st.strip_usage = True
 
     async def _relay(self, request: web.Request, ctx: RequestCtx, resp: web.StreamResponse) -> None:
@@ -224,7 +250,7 @@ class Relay:
                 break
             opened.close()
             opened = st.opened = nxt
-            self._counting(ctx, nxt)
+            self._counting(ctx, nxt.strip)
             if nxt.hold is not None:
                 nxt.hold.stream()
             ctx.stage = "streaming"
@@ -280,7 +306,10 @@ class Relay:
         if opened.head:
             if parse_events:
                 watch.events += len(opened.head)
-                out, end = self._filter(ctx, [e.raw for e in opened.head])
+                if head_written:
+                    out, end = b"", None  # filtered and written by `commit`
+                else:
+                    out, end = self._filter(ctx, [e.raw for e in opened.head])
             else:
                 # Raw relay: the head's events, then whatever partial event followed them.
                 out = b"".join(e.raw for e in opened.head) + opened.sse.pending

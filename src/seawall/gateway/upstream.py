@@ -8,7 +8,7 @@ error event, silence past the time-to-first-token deadline. An attempt either re
 happened; the outcome's rules say whether another replica may be tried.
 
 The reads before the first token are scanned in the upstream's socket callback
-(`_Head`), and with a `commit` (the relay's, for a stream relayed as the engine wrote it)
+(`_Head`), and with a `commit` (the relay's, for a stream to an HTTP/1.1 client)
 the first token goes on to the client from that same callback, with the response's
 head, before the attempt's coroutine runs: a lone request's first token waits for no
 task switch and no bookkeeping (`bench/bench_hop.py --baseline`).
@@ -42,9 +42,13 @@ if TYPE_CHECKING:
 # Bodies of upstream errors are relayed to the client; cap what we hold in memory.
 _MAX_ERROR_BODY = 64 * 1024
 
-# Writes a stream's response head and first bytes to the client, from the upstream's
-# socket callback, given the upstream's headers; True once written (`relay.Relay.commit`).
-Commit = Callable[[Mapping[str, str], bytes], bool]
+# Writes a stream's response head and first events to the client, from the upstream's
+# socket callback, given the upstream's headers, the head's events and the partial event
+# after them; True once written (`relay.Relay.commit`).
+Commit = Callable[[Mapping[str, str], list[Event], bytes], bool]
+# The relay's `Commit` for one attempt, given the keys that attempt asks the engine for on
+# the client's behalf, to be stripped again (`Opened.strip`).
+CommitFor = Callable[[frozenset[str]], Commit]
 
 
 class AttemptFailed(Exception):
@@ -323,7 +327,7 @@ class _Head:
             self.first_token_at = clock.monotonic()
             commit = self._commit
             if commit is not None and self._expiry.disarm() and not any(e.terminal for e in events):
-                commit(self._conn.headers, b"".join(e.raw for e in events) + self.sse.pending)
+                commit(self._conn.headers, events, self.sse.pending)
             self._conn.hand_back()
         return True
 
