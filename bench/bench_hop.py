@@ -1,7 +1,7 @@
 """What one hop through `seawall serve` adds to a lone request's time to first token.
 
     python bench/bench_hop.py [--rounds 200] [--max-tokens 8] [--baseline REV]... [--python PY]...
-        [--stages] [--tenant]
+        [--stages] [--tenant] [--new-connections]
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
@@ -29,6 +29,8 @@ that target's own TTFT includes the timestamps' cost, so read the hop from the o
 `--tenant` runs every gateway with one keyed tenant and a tier with every limit a request
 meets on its way in (none reached), and sends its key with every request: the hop of the
 shape production runs, where the default is a gateway with nothing configured.
+`--new-connections` opens a connection for each request (as guidellm does) and times it
+from before the connect.
 """
 
 from __future__ import annotations
@@ -68,14 +70,18 @@ MODEL = "sim-model"
 
 
 class Client:
-    """One kept-alive HTTP/1.1 connection, one request at a time."""
+    """One kept-alive HTTP/1.1 connection, one request at a time; with `fresh`, a new
+    connection for each request (guidellm's client opened 43 for 38 requests in a 10 s
+    run, `ss -tan` after it), timed from before the connect."""
 
-    def __init__(self, port: int, key: str | None = None) -> None:
+    def __init__(self, port: int, key: str | None = None, fresh: bool = False) -> None:
         self.port = port
         self.auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        self.fresh = fresh
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def ttft_s(self, n: int, max_tokens: int) -> float:
+        began = time.perf_counter()
         if self.streams is None:
             self.streams = await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = self.streams
@@ -92,7 +98,7 @@ class Client:
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self.auth}\r\n"
         ).encode()
-        sent = time.perf_counter()
+        sent = began if self.fresh else time.perf_counter()
         writer.write(head + body)
         buf = b""
         first: float | None = None
@@ -105,13 +111,20 @@ class Client:
                 first = time.perf_counter() - sent
         if first is None:
             raise RuntimeError(f"no content from 127.0.0.1:{self.port}: {buf[-600:]!r}")
+        if self.fresh:
+            writer.close()
+            self.streams = None
         return first
 
 
 async def measure(
-    targets: dict[str, int], rounds: int, max_tokens: int, key: str | None = None
+    targets: dict[str, int],
+    rounds: int,
+    max_tokens: int,
+    key: str | None = None,
+    fresh: bool = False,
 ) -> dict[str, list[float]]:
-    clients = {name: Client(port, key) for name, port in targets.items()}
+    clients = {name: Client(port, key, fresh) for name, port in targets.items()}
     got: dict[str, list[float]] = {name: [] for name in targets}
     rng = random.Random(14)
     for n in range(rounds):
@@ -231,6 +244,11 @@ def main() -> int:
         action="store_true",
         help="every gateway with a keyed tenant and tier limits, every request with its key",
     )
+    parser.add_argument(
+        "--new-connections",
+        action="store_true",
+        help="a new connection for each request, timed from before the connect",
+    )
     args = parser.parse_args()
     print(machine_context())
     work = Path(tempfile.mkdtemp(prefix="bench-hop-"))
@@ -283,7 +301,7 @@ def main() -> int:
             timed = start_stage_gateway(sim_port, work, config)
             procs.append(timed)
             targets[timed.name] = timed.port or 0
-        got = asyncio.run(measure(targets, args.rounds, args.max_tokens, key))
+        got = asyncio.run(measure(targets, args.rounds, args.max_tokens, key, args.new_connections))
         stages = read_stages(timed, work / "stages.json") if timed is not None else []
     finally:
         for p in reversed(procs):
