@@ -215,9 +215,9 @@ def start_plain_gateway(
     config: Path | None = None,
 ) -> Proc:
     """`seawall serve` on a free 127.0.0.1 port in front of `upstreams`, with nothing but
-    `--replica` (no access log; a config file only with `config`), ready with a usable
-    replica. `src`:
-    another version's `src/` to run (see `baseline_src`), instead of this checkout's.
+    `--replica` (no access log), ready with a usable replica. `config`: a config file for
+    `--config`. `src`: another version's `src/` to run (see `baseline_src`), instead of
+    this checkout's.
     `python`: the interpreter (another one needs Seawall's dependencies installed).
     `launcher`: what `python` runs in place of `-m seawall` (a script taking Seawall's
     command line, such as `stage_gateway.py`); `env`: more environment for it."""

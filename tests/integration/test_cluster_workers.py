@@ -295,8 +295,8 @@ def test_a_dead_worker_is_replaced_and_sigterm_drains_every_worker(
         for t in batch:
             t.start()
         threads += batch
+        sent = len(threads)
         with contextlib.suppress(AssertionError):  # all on the leader: another batch
-            sent = len(threads)
             wait_until(lambda n=sent: inflight(survivor) >= 1 or inflight(leader) >= n, 10)
         if inflight(survivor):
             break
