@@ -1,7 +1,7 @@
 """guidellm's TTFT and ITL through `seawall serve` against direct, with the noise.
 
     python bench/bench_guidellm.py [--seconds 20] [--rate 4] [--prompt-tokens 128]
-        [--output-tokens 64] [--replicas 1] [--rounds 1] [--peers] [--floor]
+        [--output-tokens 64] [--replicas 1] [--rounds 1] [--warmup 5] [--peers] [--floor]
 
 guidellm 0.8 (unchanged, in its own venv: `./dev setup`, tests/support/guidellm.py)
 runs the same constant-rate load several times against the same `seawall sim` replica:
@@ -17,8 +17,12 @@ more loopback hops cost on this machine, which no proxy can go under; and `py_pr
 which parses HTTP and JSON and relays from the socket callback and does nothing else: the
 floor under a gateway written in Python. `--rounds N`
 repeats the whole sequence N times (the proxies stay up), so the verdict can be read over
-rounds rather than from one. Each run has its own data seed, so no run reuses another's
-prompts from the sims' prefix cache.
+rounds rather than from one. Within a round the proxies run in a shuffled order (seeded,
+printed), between the two direct runs: with a fixed order, a drift over the round (direct 2
+came out faster than direct 1 in 9 of 12 rounds of four runs) would be read as the cost of
+whichever proxy runs first. Before the first round, `--warmup` seconds of the same load go
+through each target, not reported, so no measured run is a process's first. Each run has
+its own data seed, so no run reuses another's prompts from the sims' prefix cache.
 
 Prints per run: requests ok / errored, TTFT and ITL (ms) median and p95 as guidellm
 measures them, with guidellm's own 95% confidence interval of the TTFT median; then per
@@ -72,6 +76,12 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1, help="direct, proxies, direct; N times")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="seconds of load through each target before the first round, not reported",
+    )
     parser.add_argument("--peers", action="store_true", help="also through vllm-router")
     parser.add_argument(
         "--floor",
@@ -119,24 +129,37 @@ def main() -> int:
                 proxies[floor.name] = f"http://127.0.0.1:{floor.port}"
 
         direct = upstreams[0]
-        results: list[dict[str, guidellm.Result]] = []
         seed = 101
-        for _ in range(args.rounds):
-            sequence = [("direct 1", direct), *proxies.items(), ("direct 2", direct)]
-            got = {}
-            for name, target in sequence:
-                got[name] = guidellm.run(
-                    target,
-                    work / f"round{len(results) + 1}-{name.replace(' ', '-')}.json",
-                    seed=seed,
-                    seconds=args.seconds,
-                    rate=args.rate,
-                    tokenizer=tokenizer,
-                    prompt_tokens=args.prompt_tokens,
-                    output_tokens=args.output_tokens,
-                    timeout_s=args.seconds * 4 + 300,
-                )
-                seed += 1
+
+        def run(name: str, target: str, label: str, seconds: float) -> guidellm.Result:
+            nonlocal seed
+            seed += 1
+            return guidellm.run(
+                target,
+                work / f"{label}-{name.replace(' ', '-')}.json",
+                seed=seed,
+                seconds=seconds,
+                rate=args.rate,
+                tokenizer=tokenizer,
+                prompt_tokens=args.prompt_tokens,
+                output_tokens=args.output_tokens,
+                timeout_s=seconds * 4 + 300,
+            )
+
+        if args.warmup > 0:
+            for name, target in [("direct", direct), *proxies.items()]:
+                run(name, target, "warmup", args.warmup)  # not reported
+        results: list[dict[str, guidellm.Result]] = []
+        orders: list[list[str]] = []
+        shuffle = random.Random(14)
+        for i in range(1, args.rounds + 1):
+            order = list(proxies)
+            shuffle.shuffle(order)
+            orders.append(order)
+            got = {"direct 1": run("direct 1", direct, f"round{i}", args.seconds)}
+            for name in order:
+                got[name] = run(name, proxies[name], f"round{i}", args.seconds)
+            got["direct 2"] = run("direct 2", direct, f"round{i}", args.seconds)
             results.append(got)
     finally:
         for p in reversed(procs):
@@ -148,6 +171,9 @@ def main() -> int:
         f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
         f"{args.replicas} sim replica(s) behind each proxy; direct uses the first{peers}\n"
     )
+    for i, order in enumerate(orders, start=1):
+        print(f"round {i}: direct 1, {', '.join(order)}, direct 2")
+    print()
     rows = []
     for i, got in enumerate(results, start=1):
         for name, r in got.items():
