@@ -40,7 +40,9 @@ class StreamState:
     strip_usage: bool = False  # include_usage was added upstream by us, not asked for
     track_text: bool = False  # keep the delivered text (migration needs it)
     migrate: bool = False  # the tier opted into mid-stream migration
-    text: str = ""  # delivered so far (when tracked)
+    # Delivered so far (when tracked), a part per chunk: `+=` on an attribute copies the
+    # whole string every chunk (quadratic in the stream's length); joined on migration.
+    text_parts: list[str] = field(default_factory=list)
     migrations: int = 0
     tokens_before_migration: int = 0  # delivered when the latest continuation began
     upstream_tokens: int = 0  # delivered from the current upstream (tokens, not chunks)
@@ -53,6 +55,10 @@ class StreamState:
     events: int = 0  # SSE events relayed after the head (a completion-length count)
     last: bytes = b""  # the stream's final bytes, held to go out with its end (relay.py)
     head_sent: bool = False  # the response's head went out from the socket callback (relay.py)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     @property
     def completion_tokens(self) -> int:

@@ -460,7 +460,8 @@ class Relay:
         """Delivered text and tokens, from the count the engine reports on the chunk when
         it does (see `migrate.running_count`), else one token per chunk with text."""
         text = "".join(choice_text(c) for c in obj.get("choices") or ())
-        st.text += text
+        if text:
+            st.text_parts.append(text)
         count, prompt = running_count(obj)
         if count is not None:
             st.upstream_tokens = count
