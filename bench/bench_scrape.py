@@ -1,6 +1,7 @@
 """What reading an engine's `/metrics` costs the gateway's event loop, per scrape.
 
     .venv/bin/python bench/bench_scrape.py [--baseline REV]... [--rounds 5] [--parses 300]
+    .venv/bin/python bench/bench_scrape.py --fleet 1,8,32,128 [--baseline REV]... [--rounds 5]
 
 The fleet monitor scrapes every replica once a second (`fleet.scrape_interval_s`) and
 parses the page on the gateway's event loop, between requests: a fleet of N replicas
@@ -16,6 +17,11 @@ Each parser runs in its own process (this checkout, and with `--baseline REV` th
 at REV beside it), `--parses` times per round after a warm-up, rounds interleaved; printed:
 the median microseconds per parse over rounds, and each baseline's ratio to this
 checkout. Warm figures: a scrape that lands on an idle loop costs more (bench/README).
+
+`--fleet N,...`: the fleet monitor's whole handling of one vLLM scrape (parse, health
+score, publish, the fleet metrics listening) with N replicas watched, in a leading
+monitor that is never started (its private `_on_scrape`, fed the real scrape; nothing
+fetched); `--parses` scrapes per size and round, round-robin over the replicas.
 """
 
 from __future__ import annotations
@@ -70,6 +76,52 @@ print(json.dumps(out))
 """
 
 
+FLEET_WORKER = """
+import json, statistics, sys, time
+from seawall import clock
+from seawall.fleet.config import FleetMonitorConfig
+from seawall.fleet.monitor import FleetMonitor
+from seawall.fleet.tracked import ReplicaSpec
+from seawall.metrics import Metrics
+text, sizes, scrapes = json.load(sys.stdin), json.loads(sys.argv[1]), int(sys.argv[2])
+out = {}
+for n in sizes:
+    # A leading monitor, never started (nothing is fetched), with the gateway's fleet
+    # metrics listening; its replicas added as start() would, then each scraped in turn.
+    monitor = FleetMonitor(FleetMonitorConfig(), metrics=Metrics())
+    for i in range(n):
+        spec = ReplicaSpec(f"r{i}", f"http://127.0.0.1:{9000 + i}", "m", engine="vllm")
+        monitor._replicas[spec.replica_id] = monitor._new_replica(spec)
+    monitor._publish(force=True)
+    reps = list(monitor._replicas.values())
+    for rep in reps * 3:
+        monitor._on_scrape(rep, text, clock.monotonic())
+    took = []
+    for k in range(scrapes):
+        rep = reps[k % n]
+        start = time.perf_counter()
+        monitor._on_scrape(rep, text, clock.monotonic())
+        took.append(time.perf_counter() - start)
+    out[str(n)] = statistics.median(took) * 1e6
+print(json.dumps(out))
+"""
+
+
+def fleet_timed(src: Path, text: str, sizes: list[int], scrapes: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(
+        [sys.executable, "-c", FLEET_WORKER, json.dumps(sizes), str(scrapes)],
+        input=json.dumps(text),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    got: dict[str, float] = json.loads(out.stdout)
+    return got
+
+
 def dcgm_page(work: Path) -> str:
     port = free_port()
     argv = sim_argv(port, "sim-model", "--dcgm-gpus", "8")
@@ -102,8 +154,16 @@ def main() -> int:
     parser.add_argument("--baseline", action="append", default=[], metavar="REV")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parses", type=int, default=300, help="per page per round")
+    parser.add_argument(
+        "--fleet",
+        metavar="N,N,...",
+        help="instead: the fleet monitor's whole handling of one vLLM scrape (parse, "
+        "score, publish, listeners) with N replicas watched",
+    )
     args = parser.parse_args()
     print(machine_context())
+    if args.fleet:
+        return fleet(args, [int(n) for n in args.fleet.split(",")])
     work = Path(tempfile.mkdtemp(prefix="bench-scrape-"))
     pages = {
         name: (kind, path.read_text() if path is not None else dcgm_page(work))
@@ -128,6 +188,32 @@ def main() -> int:
         f"warm ({time.monotonic() - started:.0f} s)\n"
     )
     print_table(["page", "lines", "parser", "us per parse (median)", "x this checkout"], rows)
+    return 0
+
+
+def fleet(args: argparse.Namespace, sizes: list[int]) -> int:
+    text = (DATA / "vllm-0.33.0-metrics.txt").read_text()
+    sources = {"this checkout": REPO / "src"}
+    sources.update({f"seawall@{rev}": baseline_src(rev) for rev in args.baseline})
+    runs: dict[str, dict[str, list[float]]] = {s: {str(n): [] for n in sizes} for s in sources}
+    for _ in range(args.rounds):
+        for source, src in sources.items():
+            for n, us in fleet_timed(src, text, sizes, args.parses).items():
+                runs[source][n].append(us)
+    rows = []
+    for n in sizes:
+        mine = statistics.median(runs["this checkout"][str(n)])
+        for source in sources:
+            us = statistics.median(runs[source][str(n)])
+            rows.append([n, source, us, us * n / 1000, us / mine])
+    print(
+        f"\n{args.rounds} rounds of {args.parses} scrapes per fleet size and source, "
+        "interleaved; each replica scraped once a second (fleet.scrape_interval_s)\n"
+    )
+    print_table(
+        ["replicas", "monitor", "us per scrape (median)", "ms of loop a second", "x this checkout"],
+        rows,
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ from seawall.actuate.base import Evidence, ReplicaRef
 from seawall.fleet.config import FleetMonitorConfig
 from seawall.fleet.discovery import Endpoint
 from seawall.fleet.monitor import FleetMonitor, ReplicaSpec
+from seawall.fleet.signals import NoGatewaySignals, Observed
 from seawall.metrics import Metrics
 
 pytestmark = pytest.mark.integration
@@ -265,6 +266,40 @@ async def test_a_server_without_metrics_is_judged_by_the_deep_probe(
         assert view(monitor).load is None
         assert view(monitor).no_metrics  # admission counts only the gateway's own requests
         assert monitor.describe()["replicas"][0]["scrape"] == "scrape failed: absent"
+
+
+@dataclass
+class ScriptedSignals(NoGatewaySignals):
+    """The gateway's view of the replica, set by the test as the engine's is: the error
+    rate its requests there have seen."""
+
+    error_rate: float | None = None
+
+    def observed(self, replica_id: str) -> Observed:
+        return Observed(error_rate=self.error_rate)
+
+
+async def test_the_score_follows_the_gateways_errors_with_no_scrape_or_deep_probe(
+    engine: ScriptedEngine,
+) -> None:
+    """A replica the gateway sees failing scores lower within a few liveness probes, and
+    recovers as the errors stop, even where nothing else would rescore it: no /metrics
+    to scrape, and no deep probe due for 30 s."""
+    engine.serve_metrics = False
+    signals = ScriptedSignals(error_rate=0.5)
+    cfg = config(deep_probe_interval_s=30.0, deep_probe_idle_interval_s=30.0)
+    spec = ReplicaSpec("r0", engine.url, "m", "n1")
+    async with FleetMonitor(cfg, [spec], signals=signals) as monitor:
+
+        def score() -> float | None:
+            got = monitor.snapshot().replicas.get("r0")
+            return got.health_score if got is not None else None
+
+        await until(lambda: (score() or 1.0) < 0.9, "the errors in the score", 5.0)
+        failing = score()
+        assert failing is not None
+        signals.error_rate = 0.0
+        await until(lambda: (score() or 0.0) > failing, "the score recovering", 5.0)
 
 
 async def test_discovered_replicas_are_added_and_removed(engine: ScriptedEngine) -> None:

@@ -14,11 +14,12 @@ families (`FleetMetricFamilies`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
-from seawall.fleet.view import FleetSnapshot
+from seawall.fleet.view import FleetSnapshot, ReplicaView
 from seawall.policy.health import State
 
 
@@ -47,10 +48,15 @@ class FleetMetrics:
     def __init__(self, families: FleetMetricFamilies) -> None:
         self.m = families
         self._cordoned: frozenset[str] = frozenset()
+        self._seen: Mapping[str, ReplicaView] = {}
 
     def on_snapshot(self, snap: FleetSnapshot) -> None:
         m = self.m
+        seen = self._seen
+        self._seen = snap.replicas
         for rid, view in snap.replicas.items():
+            if seen.get(rid) is view:
+                continue  # unchanged since the last snapshot (the monitor keeps the object)
             for s in State:
                 m.replica_state.labels(rid, view.node, s.value).set(1 if view.state == s else 0)
             m.replica_ready.labels(rid).set(1 if view.routable else 0)

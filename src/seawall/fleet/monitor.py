@@ -550,7 +550,13 @@ class FleetMonitor:
             now = clock.monotonic()
             if generation == rep.generation and rep.state is not State.restarting:
                 probe = self._probe(result, cfg.liveness_timeout_s, sent_at, now)
-                self._apply(rep, rules.on_liveness(rep.signals, rep.state, probe, now, self._th))
+                self._apply(
+                    rep, rules.on_liveness(rep.signals, rep.state, probe, now, self._th), False
+                )
+                # The score follows the gateway's own signals (TTFT, ITL, errors) each
+                # second, for a replica without /metrics too (no scrape rescores it).
+                self._rescore(rep)
+                self._publish_if_changed(rep)
                 self._check_progress(rep, now)
             await asyncio.sleep(cfg.liveness_interval_s)
 
@@ -610,8 +616,12 @@ class FleetMonitor:
             rep.signals, before, after, rep.storm.last_rate_per_s, load.waiting, self._th
         )
         self._apply(rep, step, publish=False)
-        self._rescore()
-        self._publish()
+        # Only this replica's load changed: rescoring and rebuilding the whole fleet's
+        # views here made every scrape cost O(fleet), the fleet's scrapes O(fleet²) a
+        # second. The others' scores follow their own scrapes, liveness probes and deep
+        # probes (`bench_scrape.py --fleet`).
+        self._rescore(rep)
+        self._publish_if_changed(rep)
         return True
 
     async def _deep_loop(self, rep: TrackedReplica) -> None:
@@ -946,13 +956,15 @@ class FleetMonitor:
 
     # ---------------------------------------------------------------- publishing
 
-    def _rescore(self) -> None:
+    def _rescore(self, only: TrackedReplica | None = None) -> None:
+        """Every replica's health score against the fleet's medians; with `only`, that
+        replica's alone (the medians are still the fleet's)."""
         reps = list(self._replicas.values())
         observed = {r.spec.replica_id: self.signals.observed(r.spec.replica_id) for r in reps}
         probe_median = _median(r.signals.deep_latency_s for r in reps)
         ttft_median = _median(o.ttft_p50_s for o in observed.values())
         itl_median = _median(o.itl_p50_s for o in observed.values())
-        for rep in reps:
+        for rep in reps if only is None else (only,):
             seen = observed[rep.spec.replica_id]
             load = rep.load
             rep.breakdown = self._score.score(
@@ -1005,9 +1017,19 @@ class FleetMonitor:
         )
 
     def _publish_if_changed(self, rep: TrackedReplica) -> None:
-        """Publish when this replica's view changed (one view built, not the fleet's)."""
-        if self._view(rep) != self._snapshot.replicas.get(rep.spec.replica_id):
-            self._publish()
+        """Publish when this replica's view changed: its view built, the others' kept
+        (every other change publishes the fleet's itself)."""
+        if not self._leading:
+            return
+        rid = rep.spec.replica_id
+        snap = self._snapshot
+        view = self._view(rep)
+        if rid not in snap.replicas or self._replicas.get(rid) is not rep:
+            self._publish()  # not in the snapshot yet, or no longer watched
+        elif view != snap.replicas[rid]:
+            self._emit(
+                FleetSnapshot({**snap.replicas, rid: view}, clock.monotonic(), snap.cordoned)
+            )
 
     def _no_metrics(self, rep: TrackedReplica, value: bool) -> None:
         if rep.no_metrics != value:
@@ -1017,14 +1039,28 @@ class FleetMonitor:
     def _publish(self, force: bool = False) -> None:
         if not self._leading:
             return  # a follower's snapshot is the leader's view (`apply_view`)
-        views = {rid: self._view(rep) for rid, rep in self._replicas.items()}
-        cordoned = frozenset(d.name for d in self._domains.values() if d.cordoned)
         snap = self._snapshot
-        if not force and views == snap.replicas and cordoned == snap.cordoned:
+        views: dict[str, ReplicaView] = {}
+        changed = len(self._replicas) != len(snap.replicas)
+        for rid, rep in self._replicas.items():
+            view = self._view(rep)
+            old = snap.replicas.get(rid)
+            if view == old:
+                view = old  # the same object: listeners pass over replicas it names
+            else:
+                changed = True
+            views[rid] = view
+        cordoned = frozenset(d.name for d in self._domains.values() if d.cordoned)
+        if not (force or changed or cordoned != snap.cordoned):
             return
-        self._snapshot = FleetSnapshot(views, clock.monotonic(), cordoned)
+        self._emit(FleetSnapshot(views, clock.monotonic(), cordoned))
+
+    def _emit(self, snap: FleetSnapshot) -> None:
+        """A replica whose view did not change keeps its view object, so a listener may
+        pass over a replica whose view `is` the one it saw last."""
+        self._snapshot = snap
         for listener in self._listeners:
-            listener(self._snapshot)
+            listener(snap)
 
     # ---------------------------------------------------------------- helpers
 

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import math
 from collections import Counter, deque
+from collections.abc import Mapping
 
 from seawall import clock
 from seawall.cluster.report import KV_HELD, KV_WANTED, SEQS_HELD, SEQS_WANTED
@@ -83,6 +84,7 @@ class FleetAdmission:
         )
         self._completions: deque[float] = deque(maxlen=512)
         self._trends: dict[str, _Trend] = {}  # per replica, updated once per new scrape
+        self._seen_views: Mapping[str, ReplicaView] = {}  # the last snapshot's (on_snapshot)
         # Adaptive admission (issue 17; gateway/admission_control.py): it judges KV and
         # preemptions itself; the queue, in-flight and staleness thresholds apply before it.
         a = config.adaptive
@@ -325,7 +327,11 @@ class FleetAdmission:
         if self.control is None:
             return
         now = clock.monotonic()
+        seen = self._seen_views
+        self._seen_views = snap.replicas
         for rid, view in snap.replicas.items():
+            if seen.get(rid) is view:
+                continue  # the same view, so the same load: already observed
             if view.load is not None and view.load.kv_capacity_tokens:
                 self.control.observe(rid, self._trend(rid, view.load), now)
 
