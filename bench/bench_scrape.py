@@ -102,24 +102,11 @@ for n in sizes:
         start = time.perf_counter()
         monitor._on_scrape(rep, text, clock.monotonic())
         took.append(time.perf_counter() - start)
+    views = monitor.snapshot().replicas
+    assert len(views) == n and all(v.load is not None for v in views.values()), "not scraped"
     out[str(n)] = statistics.median(took) * 1e6
 print(json.dumps(out))
 """
-
-
-def fleet_timed(src: Path, text: str, sizes: list[int], scrapes: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run(
-        [sys.executable, "-c", FLEET_WORKER, json.dumps(sizes), str(scrapes)],
-        input=json.dumps(text),
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=300,
-    )
-    got: dict[str, float] = json.loads(out.stdout)
-    return got
 
 
 def dcgm_page(work: Path) -> str:
@@ -134,11 +121,13 @@ def dcgm_page(work: Path) -> str:
         sim.stop()
 
 
-def timed(src: Path, pages: dict[str, tuple[str, str]], parses: int) -> dict[str, float]:
+def run_worker(src: Path, code: str, argv: list[str], given: object) -> dict[str, float]:
+    """`code` in its own Python with `src` on its path, `given` as JSON on its stdin; its
+    JSON answer (microseconds per name)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, str(parses)],
-        input=json.dumps(pages),
+        [sys.executable, "-c", code, *argv],
+        input=json.dumps(given),
         capture_output=True,
         text=True,
         env=env,
@@ -147,6 +136,14 @@ def timed(src: Path, pages: dict[str, tuple[str, str]], parses: int) -> dict[str
     )
     got: dict[str, float] = json.loads(out.stdout)
     return got
+
+
+def timed(src: Path, pages: dict[str, tuple[str, str]], parses: int) -> dict[str, float]:
+    return run_worker(src, WORKER, [str(parses)], pages)
+
+
+def fleet_timed(src: Path, text: str, sizes: list[int], scrapes: int) -> dict[str, float]:
+    return run_worker(src, FLEET_WORKER, [json.dumps(sizes), str(scrapes)], text)
 
 
 def main() -> int:

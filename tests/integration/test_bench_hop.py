@@ -11,32 +11,21 @@ it runs and times whole requests is asserted).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.support.benches import run_bench
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 def test_bench_hop_runs_and_times_every_stage() -> None:
     rounds = 3
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "bench_hop.py"),
-            *("--rounds", str(rounds), "--stages", "--tenant", "--new-connections"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    out = run_bench(
+        "bench_hop.py",
+        *("--rounds", str(rounds), "--stages", "--tenant", "--new-connections"),
+        timeout_s=240,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
     for target in ("direct", "seawall", "tcp-relay", "py-proxy", "seawall (timed stages)"):
         assert re.search(rf"^{re.escape(target)}\s+{rounds}\s", out, re.M), (target, out)
     # Every timed request passed every stage, the first token's way out included.
