@@ -1024,8 +1024,14 @@ class FleetMonitor:
         rid = rep.spec.replica_id
         snap = self._snapshot
         view = self._view(rep)
-        if rid not in snap.replicas or self._replicas.get(rid) is not rep:
-            self._publish()  # not in the snapshot yet, or no longer watched
+        if (
+            rid not in snap.replicas
+            or self._replicas.get(rid) is not rep
+            or self._domain(rep.spec.domain).cordoned != (rep.spec.domain in snap.cordoned)
+        ):
+            # Not in the snapshot yet, no longer watched, or its node's cordon changed
+            # (every replica on the node changes with it): the fleet's views.
+            self._publish()
         elif view != snap.replicas[rid]:
             self._emit(
                 FleetSnapshot({**snap.replicas, rid: view}, clock.monotonic(), snap.cordoned)
