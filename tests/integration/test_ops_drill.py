@@ -129,10 +129,14 @@ def test_crash_drill_drops_exactly_the_streams_on_the_crashed_replica(artifacts:
         assert report["baseline"]["dropped"] == 0
         inflight = report["target_inflight_at_fault"]
         assert inflight is not None and inflight >= 1
-        # A crash mid-stream drops exactly the streams on the replica when it died. The
-        # in-flight count is the watcher's last sample before /health went silent, so one
-        # stream may have ended, or begun, between that sample and the crash.
-        assert max(1, inflight - 1) <= report["streams_dropped"] <= inflight + 1
+        # A crash drops at most the streams on the replica when it died; those still
+        # before their first token go to the other replica instead (a CI run caught the
+        # crash just as two streams ended there: both in flight then were new, and both
+        # were retried). The in-flight count is the watcher's last sample before /health
+        # went silent, so one stream may have ended, or begun, between it and the crash.
+        assert report["streams_dropped"] <= inflight + 1
+        moved = report["retries"] + report["failed_before_first_token"]
+        assert report["streams_dropped"] + moved >= max(1, inflight - 1), report
         assert report["detection_s"] is not None and report["detection_s"] < 3.0
         assert report["retry_amplification"] >= 1.0
         assert report["cleared"] is False
