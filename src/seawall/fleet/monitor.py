@@ -19,6 +19,9 @@ deep-probe loop (one real token, jittered, idle replicas more often); per node w
 DCGM configured, a DCGM loop; and one loop-lag sampler that measures how late our own
 event loop runs, so that a probe spoiled by our lateness is inconclusive. After each
 change a new immutable `FleetSnapshot` is swapped in: `snapshot()` is an attribute read.
+A replica's health score is recomputed at its own liveness probes, scrapes and deep
+probes (against fleet medians); a change to one replica publishes its view alone, the
+others' view objects kept, so a subscriber can skip a view it has seen (`is`).
 The admin presenter (`present.py`), the metrics export (`export.py`, a snapshot
 subscriber) and hardware tickets (`seawall.actuate.tickets`) live elsewhere.
 
