@@ -52,11 +52,8 @@ class FleetMetrics:
 
     def on_snapshot(self, snap: FleetSnapshot) -> None:
         m = self.m
-        seen = self._seen
-        self._seen = snap.replicas
-        for rid, view in snap.replicas.items():
-            if seen.get(rid) is view:
-                continue  # unchanged since the last snapshot (the monitor keeps the object)
+        seen, self._seen = self._seen, snap.replicas
+        for rid, view in snap.changed_since(seen):
             for s in State:
                 m.replica_state.labels(rid, view.node, s.value).set(1 if view.state == s else 0)
             m.replica_ready.labels(rid).set(1 if view.routable else 0)

@@ -1026,7 +1026,6 @@ class FleetMonitor:
             return
         rid = rep.spec.replica_id
         snap = self._snapshot
-        view = self._view(rep)
         if (
             rid not in snap.replicas
             or self._replicas.get(rid) is not rep
@@ -1035,7 +1034,9 @@ class FleetMonitor:
             # Not in the snapshot yet, no longer watched, or its node's cordon changed
             # (every replica on the node changes with it): the fleet's views.
             self._publish()
-        elif view != snap.replicas[rid]:
+            return
+        view = self._view(rep)
+        if view != snap.replicas[rid]:
             self._emit(
                 FleetSnapshot({**snap.replicas, rid: view}, clock.monotonic(), snap.cordoned)
             )
@@ -1065,8 +1066,8 @@ class FleetMonitor:
         self._emit(FleetSnapshot(views, clock.monotonic(), cordoned))
 
     def _emit(self, snap: FleetSnapshot) -> None:
-        """A replica whose view did not change keeps its view object, so a listener may
-        pass over a replica whose view `is` the one it saw last."""
+        """A replica whose view did not change keeps its view object
+        (`FleetSnapshot.changed_since`)."""
         self._snapshot = snap
         for listener in self._listeners:
             listener(snap)

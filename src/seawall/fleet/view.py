@@ -7,6 +7,7 @@ request. Everything here is plain data.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from seawall.policy.load import EngineLoad
@@ -47,3 +48,11 @@ class FleetSnapshot:
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
     taken_at: float = 0.0
     cordoned: frozenset[str] = frozenset()  # failure domains out of service
+
+    def changed_since(self, seen: Mapping[str, ReplicaView]) -> Iterator[tuple[str, ReplicaView]]:
+        """The replicas whose view is not the object `seen` (an earlier snapshot's
+        `replicas`) holds. The fleet monitor keeps the view object of a replica whose view
+        did not change, so a subscriber can pass over the rest."""
+        for rid, view in self.replicas.items():
+            if seen.get(rid) is not view:
+                yield rid, view

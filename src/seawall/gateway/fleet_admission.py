@@ -327,11 +327,8 @@ class FleetAdmission:
         if self.control is None:
             return
         now = clock.monotonic()
-        seen = self._seen_views
-        self._seen_views = snap.replicas
-        for rid, view in snap.replicas.items():
-            if seen.get(rid) is view:
-                continue  # the same view, so the same load: already observed
+        seen, self._seen_views = self._seen_views, snap.replicas
+        for rid, view in snap.changed_since(seen):  # an unchanged view's load is observed
             if view.load is not None and view.load.kv_capacity_tokens:
                 self.control.observe(rid, self._trend(rid, view.load), now)
 
