@@ -256,7 +256,7 @@ def baseline_src(rev: str) -> Path:
 # taking LISTEN_PORT UPSTREAM_PORT: `tcp_relay.py` relays bytes and parses nothing (what
 # one more process costs); `py_proxy.py` parses HTTP and JSON and does nothing else (the
 # floor under a gateway written in Python).
-FLOORS = ("tcp_relay", "py_proxy")
+FLOORS = ("tcp_relay", "py_proxy", "aio_proxy")
 
 
 def start_floor(script: str, upstream_port: int, log: Path) -> Proc:

@@ -325,9 +325,10 @@ def main() -> int:
     print(
         f"\nthe hop's parts (p50): one more process {p50['tcp-relay'] - p50['direct']:+.2f} ms "
         f"(tcp-relay), Python's HTTP handling {p50['py-proxy'] - p50['tcp-relay']:+.2f} ms "
-        f"(py-proxy beyond tcp-relay), Seawall's own work {p50['seawall'] - p50['py-proxy']:+.2f} "
-        f"ms (beyond py-proxy); Seawall beyond the byte relay "
-        f"{p50['seawall'] - p50['tcp-relay']:+.2f} ms"
+        f"(py-proxy beyond tcp-relay), aiohttp's server {p50['aio-proxy'] - p50['py-proxy']:+.2f} "
+        f"ms (aio-proxy beyond py-proxy), Seawall's features "
+        f"{p50['seawall'] - p50['aio-proxy']:+.2f} ms (beyond aio-proxy); Seawall beyond the "
+        f"byte relay {p50['seawall'] - p50['tcp-relay']:+.2f} ms"
     )
     for rev in args.baseline:
         label = f"seawall@{rev}"

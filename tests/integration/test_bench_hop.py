@@ -26,7 +26,14 @@ def test_bench_hop_runs_and_times_every_stage() -> None:
         *("--rounds", str(rounds), "--stages", "--tenant", "--new-connections"),
         timeout_s=240,
     )
-    for target in ("direct", "seawall", "tcp-relay", "py-proxy", "seawall (timed stages)"):
+    for target in (
+        "direct",
+        "seawall",
+        "tcp-relay",
+        "py-proxy",
+        "aio-proxy",
+        "seawall (timed stages)",
+    ):
         assert re.search(rf"^{re.escape(target)}\s+{rounds}\s", out, re.M), (target, out)
     # Every timed request passed every stage, the first token's way out included.
     assert f"({rounds} of {rounds} timed)" in out, out
