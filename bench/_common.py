@@ -255,7 +255,8 @@ def baseline_src(rev: str) -> Path:
 # The floors under a proxy's hop (bench_hop.py, bench_guidellm.py --floor), each a script
 # taking LISTEN_PORT UPSTREAM_PORT: `tcp_relay.py` relays bytes and parses nothing (what
 # one more process costs); `py_proxy.py` parses HTTP and JSON and does nothing else (the
-# floor under a gateway written in Python).
+# floor under a gateway written in Python); `aio_proxy.py` does the same on aiohttp's
+# server (the floor under a gateway on aiohttp, as Seawall is).
 FLOORS = ("tcp_relay", "py_proxy", "aio_proxy")
 
 

@@ -13,9 +13,11 @@ spread over N, direct still uses the first). The two direct runs of a round give
 noise: a proxy matches direct when its difference from the round's direct mean is within
 the two direct runs' spread. `--floor` adds `tcp_relay.py`, a byte relay with no HTTP
 in front of the first replica: the part of any proxy's hop that one more process and two
-more loopback hops cost on this machine, which no proxy can go under; and `py_proxy.py`,
+more loopback hops cost on this machine, which no proxy can go under; `py_proxy.py`,
 which parses HTTP and JSON and relays from the socket callback and does nothing else: the
-floor under a gateway written in Python. `--rounds N`
+floor under a gateway written in Python; and `aio_proxy.py`, the same on aiohttp's
+server (as Seawall takes its requests), so the pooled figures also say what Seawall adds
+beyond each of the two. `--rounds N`
 repeats the whole sequence N times (the proxies stay up), so the verdict can be read over
 rounds rather than from one. Within a round the proxies run in a shuffled order (seeded,
 printed), between the two direct runs: with a fixed order, a drift over the round (direct 2
@@ -221,6 +223,13 @@ def main() -> int:
     direct = pooled["direct 1"] + pooled["direct 2"]
     rows = [["direct 2", "direct 1", *_median_difference(pooled["direct 2"], pooled["direct 1"])]]
     rows += [[name, "direct", *_median_difference(pooled[name], direct)] for name in proxies]
+    # Seawall beside the do-nothing Python proxies (`--floor`): what its own features add
+    # under guidellm, apart from what any Python proxy adds here.
+    rows += [
+        ["gateway", floor, *_median_difference(pooled["gateway"], pooled[floor])]
+        for floor in ("aio-proxy", "py-proxy")
+        if floor in pooled
+    ]
     print(f"\npooled over {len(results)} round(s), every successful request (95% bootstrap CI):")
     print_table(["TTFT p50 of", "minus that of", "ms", "95% CI"], rows)
     print(f"\nlogs and guidellm reports: {work}")

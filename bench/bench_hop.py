@@ -5,32 +5,34 @@
 
 One `seawall sim` replica; in front of it the gateway (`seawall serve --replica ...`),
 `tcp_relay.py` (a byte relay that parses nothing: the floor under any proxy's hop on this
-machine) and `py_proxy.py` (httptools, orjson and Seawall's upstream client, relaying from
-the socket callback and doing nothing else: the floor under a Python gateway). Each round
-sends one streamed chat request to each of the four, in random order, one at a time,
+machine), `py_proxy.py` (httptools, orjson and Seawall's upstream client, relaying from
+the socket callback and doing nothing else: the floor under a Python gateway) and
+`aio_proxy.py` (the same on aiohttp's server, router and request, as Seawall takes its
+requests). Each round sends one streamed chat request to each of the five, in random
+order, one at a time,
 20-60 ms apart, each on its own kept-alive connection (as guidellm's httpx client does),
 and times the write to the first non-empty content in the stream. A lone request is
 where a proxy's own latency is least hidden by queueing: issue 14's guidellm comparison
 asks it to be within the noise of direct runs.
 
-Prints per target: TTFT p50 / p90 / mean (ms) and its p50 minus direct's, then the hop in
-three parts: one more process (the relay over direct), Python's HTTP handling (py-proxy
-over the relay) and Seawall's own work (the gateway over py-proxy). Bounded: `--rounds`
-x 4 requests, 127.0.0.1 only. The sim batches on 10 ms steps, so a target's TTFT moves
-by a millisecond between runs: read the differences of one run, whose targets
-interleave, not figures across runs. `--baseline REV` (repeatable) adds the gateway as
-of git revision REV (its `src/` exported under bench/.peers, as `bench_gateway.py`
-does): a change to the request path measured against what it changes, in the same run.
-`--python PY` (repeatable) adds this checkout's gateway run by another interpreter, one
-with Seawall's dependencies installed (`PY -m pip install -e .`). `--stages` adds one
-more, this checkout's gateway with a timestamp at each stage of a request's way through
-it (`stage_gateway.py`), and prints where its time goes, stage by stage (p50 and mean):
-that target's own TTFT includes the timestamps' cost, so read the hop from the others.
-`--tenant` runs every gateway with one keyed tenant and a tier with every limit a request
-meets on its way in (none reached), and sends its key with every request: the hop of the
-shape production runs, where the default is a gateway with nothing configured.
-`--new-connections` opens a connection for each request (as guidellm does) and times it
-from before the connect.
+Prints per target: TTFT p50 / p90 / mean (ms) and its p50 minus direct's, then the hop
+in four parts: one more process (the relay over direct), Python's HTTP handling
+(py-proxy over the relay), aiohttp's server (aio-proxy over py-proxy) and Seawall's
+features (the gateway over aio-proxy). Bounded: `--rounds` x 5 requests, 127.0.0.1 only.
+The sim batches on 10 ms steps, so a target's TTFT moves by a millisecond between runs:
+read the differences of one run, whose targets interleave, not figures across runs.
+`--baseline REV` (repeatable) adds the gateway as of git revision REV (its `src/`
+exported under bench/.peers, as `bench_gateway.py` does): a change to the request path
+measured against what it changes, in the same run. `--python PY` (repeatable) adds this
+checkout's gateway run by another interpreter, one with Seawall's dependencies installed
+(`PY -m pip install -e .`). `--stages` adds one more, this checkout's gateway with a
+timestamp at each stage of a request's way through it (`stage_gateway.py`), and prints
+where its time goes, stage by stage (p50 and mean): that target's own TTFT includes the
+timestamps' cost, so read the hop from the others. `--tenant` runs every gateway with
+one keyed tenant and a tier with every limit a request meets on its way in (none
+reached), and sends its key with every request: the hop of the shape production runs,
+where the default is a gateway with nothing configured. `--new-connections` opens a
+connection for each request (as guidellm does) and times it from before the connect.
 """
 
 from __future__ import annotations
