@@ -25,6 +25,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from py_proxy import relay
 from seawall.gateway.h1 import Endpoint, H1Pool
 from seawall.protocol.routes import ROUTES
 
@@ -45,25 +46,10 @@ def _app(pool: H1Pool, upstream: Endpoint, models: bytes) -> web.Application:
         )
         transport = request.transport
         assert transport is not None
-        kind = conn.headers.get("content-type", "application/json")
-        head = [
-            f"HTTP/1.1 {conn.status} OK\r\nContent-Type: {kind}\r\n"
-            "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n".encode("latin-1")
-        ]
-
-        def sink(data: bytes) -> bool:
-            out = b"%x\r\n%b\r\n" % (len(data), data)
-            if head:
-                out = head.pop() + out  # the head goes with the first body bytes
-            transport.write(out)
-            return True
-
-        conn.relay(sink)
-        while not conn.complete:
-            await conn.wait_relay()
-        resp = _Sent(status=200)
+        resp: web.StreamResponse = _Sent(status=200)
         resp.enable_chunked_encoding()
-        if head:  # nothing came: the head goes out through aiohttp
+        if await relay(conn, transport):  # nothing came: the head goes out through aiohttp
+            kind = conn.headers.get("content-type", "application/json")
             resp = web.StreamResponse(status=conn.status, headers={"Content-Type": kind})
         await resp.prepare(request)
         await resp.write_eof()

@@ -26,7 +26,7 @@ import httptools
 import orjson
 import uvloop
 
-from seawall.gateway.h1 import Endpoint, H1Pool
+from seawall.gateway.h1 import Endpoint, H1Connection, H1Pool
 
 _HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
@@ -70,24 +70,32 @@ class _Client(asyncio.Protocol):
         )
         client = self.transport
         assert client is not None
-        kind = conn.headers.get("content-type", "application/json")
-        head = [
-            f"HTTP/1.1 {conn.status} OK\r\nContent-Type: {kind}\r\n"
-            "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n".encode("latin-1")
-        ]
-
-        def sink(data: bytes) -> bool:
-            out = b"%x\r\n%b\r\n" % (len(data), data)
-            if head:
-                out = head.pop() + out  # the head goes with the first body bytes
-            client.write(out)
-            return True
-
-        conn.relay(sink)
-        while not conn.complete:
-            await conn.wait_relay()
-        client.write(head.pop() + b"0\r\n\r\n" if head else b"0\r\n\r\n")
+        unsent = await relay(conn, client)
+        client.write(unsent + b"0\r\n\r\n")
         conn.release()
+
+
+async def relay(conn: H1Connection, client: asyncio.Transport) -> bytes:
+    """Write `conn`'s answer to `client` from the upstream's socket callback, each read
+    one HTTP chunk, the head with the first body bytes; returns the head if no body came
+    (the caller ends the response)."""
+    kind = conn.headers.get("content-type", "application/json")
+    head = [
+        f"HTTP/1.1 {conn.status} OK\r\nContent-Type: {kind}\r\n"
+        "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n".encode("latin-1")
+    ]
+
+    def sink(data: bytes) -> bool:
+        out = b"%x\r\n%b\r\n" % (len(data), data)
+        if head:
+            out = head.pop() + out  # the head goes with the first body bytes
+        client.write(out)
+        return True
+
+    conn.relay(sink)
+    while not conn.complete:
+        await conn.wait_relay()
+    return head.pop() if head else b""
 
 
 def _models(upstream: int) -> bytes:
