@@ -122,9 +122,16 @@ def rollout(admin: str, options: dict[str, Any], timeout_s: float = 150) -> dict
     assert started.status_code == 202, started.text
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        report: dict[str, Any] = httpx.get(
-            admin + "/admin/rollout", headers=AUTH, timeout=10
-        ).json()
+        got = httpx.get(admin + "/admin/rollout", headers=AUTH, timeout=10)
+        if got.status_code == 503:
+            # Polled through a follower while it could not reach the leader (the cluster
+            # store timed out once on a loaded CI machine): the documented answer, which a
+            # client retries after its Retry-After, as this poll does.
+            assert got.json()["error"]["code"] == "no_fleet_leader", got.text
+            time.sleep(min(float(got.headers["Retry-After"]), 2.0))
+            continue
+        assert got.status_code == 200, got.text
+        report: dict[str, Any] = got.json()
         if report["state"] != "running":
             return report
         time.sleep(0.5)
