@@ -88,6 +88,10 @@ _ABSENT_BACKOFF = 10
 # The loop-lag sampler wakes this often. Its resolution does not depend on it (a stall
 # shows as a late wake-up whatever the interval); 20 wake-ups a second cost nothing.
 _LAG_SAMPLE_S = 0.05
+# A replica's own rescore (at its scrape and liveness probe, each second) judges it
+# against fleet medians at most this old: recomputing them at each rescore was O(fleet)
+# a rescore, O(fleet²) a second (`bench_scrape.py --fleet`).
+MEDIANS_TTL_S = 1.0
 
 
 class FleetMonitor:
@@ -122,6 +126,7 @@ class FleetMonitor:
         self._score = score or HealthScore()
         self._rng = rng or random.Random()
         self._replicas: dict[str, TrackedReplica] = {}
+        self._medians: _Medians | None = None  # `_rescore`'s, kept up to MEDIANS_TTL_S
         self._domains: dict[str, TrackedDomain] = {}
         self._snapshot = FleetSnapshot()
         self._listeners: list[Callable[[FleetSnapshot], None]] = []
@@ -961,14 +966,32 @@ class FleetMonitor:
 
     def _rescore(self, only: TrackedReplica | None = None) -> None:
         """Every replica's health score against the fleet's medians; with `only`, that
-        replica's alone (the medians are still the fleet's)."""
-        reps = list(self._replicas.values())
-        observed = {r.spec.replica_id: self.signals.observed(r.spec.replica_id) for r in reps}
-        probe_median = _median(r.signals.deep_latency_s for r in reps)
-        ttft_median = _median(o.ttft_p50_s for o in observed.values())
-        itl_median = _median(o.itl_p50_s for o in observed.values())
-        for rep in reps if only is None else (only,):
-            seen = observed[rep.spec.replica_id]
+        replica's alone, against the medians of the last `MEDIANS_TTL_S` (recomputed when
+        older, or when the fleet's size changed; a full rescore always recomputes them)."""
+        now = clock.monotonic()
+        medians = self._medians
+        observed: dict[str, Observed] = {}
+        if (
+            only is None
+            or medians is None
+            or now - medians.at >= MEDIANS_TTL_S
+            or medians.size != len(self._replicas)
+        ):
+            reps = list(self._replicas.values())
+            observed = {r.spec.replica_id: self.signals.observed(r.spec.replica_id) for r in reps}
+            medians = self._medians = _Medians(
+                at=now,
+                size=len(reps),
+                probe=_median(r.signals.deep_latency_s for r in reps),
+                ttft=_median(o.ttft_p50_s for o in observed.values()),
+                itl=_median(o.itl_p50_s for o in observed.values()),
+            )
+        probe_median, ttft_median, itl_median = medians.probe, medians.ttft, medians.itl
+        for rep in self._replicas.values() if only is None else (only,):
+            rid = rep.spec.replica_id
+            seen = observed.get(rid)
+            if seen is None:
+                seen = self.signals.observed(rid)
             load = rep.load
             rep.breakdown = self._score.score(
                 ScoreInputs(
@@ -1148,6 +1171,17 @@ def _static_load(load: EngineLoad | None, now: float) -> EngineLoad | None:
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("fleet monitor task failed", exc_info=task.exception())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Medians:
+    """The fleet's medians a score is judged against, and when they were computed."""
+
+    at: float  # monotonic seconds
+    size: int  # the fleet's size then
+    probe: float | None
+    ttft: float | None
+    itl: float | None
 
 
 def _median(values: Iterable[float | None]) -> float | None:
