@@ -20,7 +20,8 @@ DCGM configured, a DCGM loop; and one loop-lag sampler that measures how late ou
 event loop runs, so that a probe spoiled by our lateness is inconclusive. After each
 change a new immutable `FleetSnapshot` is swapped in: `snapshot()` is an attribute read.
 A replica's health score is recomputed at its own liveness probes, scrapes and deep
-probes (against fleet medians); a change to one replica publishes its view alone, the
+probes (against fleet medians at most `MEDIANS_TTL_S` old; a deep probe recomputes them
+and rescores every replica); a change to one replica publishes its view alone, the
 others' view objects kept, so a subscriber can skip a view it has seen (`is`).
 The admin presenter (`present.py`), the metrics export (`export.py`, a snapshot
 subscriber) and hardware tickets (`seawall.actuate.tickets`) live elsewhere.
