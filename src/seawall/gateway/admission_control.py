@@ -214,8 +214,9 @@ class AdmissionControl:
         return None if math.isinf(best) else best
 
     def observe(self, replica_id: str, load: EngineLoad, now: float) -> None:
-        """A new snapshot's load for the replica (the fleet monitor's listener calls this on
-        every publish, so the controller follows the engine with no request arriving)."""
+        """A new snapshot's load for the replica (the fleet monitor's listener calls this
+        for each replica whose view a publish changed, so the controller follows the engine
+        with no request arriving; a load already seen is passed over)."""
         self._observe(replica_id, self._replica(replica_id), load, now)
 
     def _observe(self, replica_id: str, r: _Replica, load: EngineLoad, now: float) -> None:
