@@ -10,6 +10,11 @@ HTTP 500. Now:
   from the bucket level last seen in Redis, and what it grants is charged to Redis once
   it answers again: a 0.3 s pause lets through at most ~110% of the allowance;
 - one slow read does not flip the backend (a streak of failures does);
+- a stall of the gateway's own event loop (a GC pause, a starved CPU) is not a Redis
+  outage: replies and connections that completed meanwhile are used (before, every
+  call in flight timed out at once, three made a streak, and the instance decided alone
+  for 2 s, granting its share on top of what the others took: 415 admitted against
+  320 in a CI run of the three-gateway test);
 - no store error escapes: fail-open decides in the fallback, fail-closed refuses with
   `backend_unavailable` (the gateway's OpenAI-shaped 503).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,6 +164,49 @@ async def test_one_slow_read_does_not_flip_the_backend(
         # was cancelled, the fallback's grant charged instead) and this one.
         level = float(await client.hget(requests_key, "tokens") or "nan")
         assert before - 2.0 <= level < before - 1.9, (before, level)
+    finally:
+        await backend.close()
+
+
+async def _stall_the_loop_while(
+    calls: int, backend: RedisLimits, limits: TenantLimits
+) -> list[Any]:
+    """`calls` acquires at once; once they are all waiting on Redis, this process's own
+    event loop is blocked for 0.3 s, three times the socket timeout (Redis itself is
+    never slow: it answers, or accepts the connection, while the loop is blocked)."""
+    tasks = [
+        asyncio.create_task(backend.acquire("acme", limits, 0, clock.monotonic()))
+        for _ in range(calls)
+    ]
+    await asyncio.sleep(0)  # each has written its script, or started to connect
+    time.sleep(0.3)  # the stall: a long GC pause, or a CPU taken by another process
+    return await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("pool", ["fresh", "warm"])
+async def test_a_stall_of_the_gateways_own_loop_is_not_a_redis_outage(
+    redis_server: RedisServer, client: aioredis.Redis, pool: str
+) -> None:
+    """fresh: the calls open their connections (a burst on a new instance); warm: the
+    connections are open and the replies arrive during the stall."""
+    backend = RedisLimits(redis_server.url, "open", f"loop-stall-{pool}:", socket_timeout_s=0.1)
+    backend.instances = lambda: INSTANCES
+    limits = TenantLimits(requests_per_min=60)  # a burst of 60, 1 a second: refills stay small
+    requests_key = backend.keys("acme")[0]
+    try:
+        if pool == "warm":
+            warm = await asyncio.gather(
+                *(backend.acquire("acme", limits, 0, clock.monotonic()) for _ in range(8))
+            )
+            assert all(isinstance(r, Lease) for r in warm)
+        before = float(await client.hget(requests_key, "tokens") or "60")
+        results = await _stall_the_loop_while(8, backend, limits)
+        assert all(isinstance(r, Lease) for r in results)
+        # Decided by Redis, each charged there once: no fallback, no cancels kept.
+        assert not backend.degraded
+        assert backend.undelivered == 0
+        level = float(await client.hget(requests_key, "tokens") or "nan")
+        assert before - 8.0 <= level < before - 7.9, (before, level)
     finally:
         await backend.close()
 

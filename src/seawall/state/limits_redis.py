@@ -6,7 +6,8 @@ reconcile the token charge) is another: one round trip each, atomic on the serve
 gateway processes never race each other. Also owns what happens when Redis is
 unreachable (`fail_mode`).
 
-Must not: block longer than its short socket timeouts, or log per request. It never
+Must not: block a call longer than `socket_timeout_s` (twice that, after a stall of
+this process's own loop: `StoreTimeout`), or log per request. It never
 retries an acquire (the caller has already decided without it); the calls it does
 repeat, cancels and releases, are idempotent on the lease id.
 
@@ -81,6 +82,7 @@ from seawall.state.limits import (
     denial,
     new_lease_id,
 )
+from seawall.state.store_timeout import StoreTimeout
 
 log = logging.getLogger(__name__)
 
@@ -335,10 +337,14 @@ class RedisLimits:
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_interval_s = reconnect_interval_s
         self._caller_clock = clock == "caller"
+        self.socket_timeout_s = socket_timeout_s
         self._redis = aioredis.Redis.from_url(
             url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
+            # Each call, connecting included, is bounded by a `StoreTimeout` instead: a
+            # stall of this process's loop is not Redis being slow. The client's own
+            # connect timeout, longer, bounds closing a connection.
+            socket_timeout=None,
+            socket_connect_timeout=max(1.0, socket_timeout_s),
             # No retries: a script whose reply was lost may have run, and running an
             # acquire twice would charge twice. The caller falls back instead.
             retry=Retry(NoBackoff(), 0),
@@ -544,7 +550,8 @@ class RedisLimits:
             str(RETRY_AFTER_LEASES),
         ]
         try:
-            reply: Any = await self._acquire_script(keys=self._script_keys(tenant), args=args)
+            async with StoreTimeout(self.socket_timeout_s):
+                reply: Any = await self._acquire_script(keys=self._script_keys(tenant), args=args)
             granted = int(reply[0]) == 1
         except Exception as error:  # any failure of the store (see above)
             # The script may have reached Redis and run, or may run when Redis resumes:
@@ -660,7 +667,12 @@ class RedisLimits:
     # -- cancels and releases Redis has not taken yet ----------------------------------
 
     async def _send(self, u: _Undelivered, now: float) -> None:
-        """Run one cancel or release script (raises what redis-py raises)."""
+        """Run one cancel, release or charge script (raises what redis-py raises, or
+        TimeoutError)."""
+        async with StoreTimeout(self.socket_timeout_s):
+            await self._send_unbounded(u, now)
+
+    async def _send_unbounded(self, u: _Undelivered, now: float) -> None:
         requests_capacity, requests_refill, tokens_capacity, tokens_refill = self._buckets(u.limits)
         now_arg = _num(now) if self._caller_clock else ""
         keys = self._script_keys(u.tenant)
