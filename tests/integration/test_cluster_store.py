@@ -9,8 +9,12 @@ for the expiry with a bounded deadline rather than sleeping a fixed time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -188,3 +192,86 @@ async def test_redis_keys_live_under_the_prefix(redis_server: RedisServer) -> No
     finally:
         await raw.aclose()
         await store.close()
+
+
+@contextlib.asynccontextmanager
+async def _store_outside_this_loop(
+    kind: str, tmp_path: Path, redis_server: RedisServer
+) -> AsyncIterator[ClusterStore]:
+    """A client with a 0.1 s timeout to a store that keeps answering while this loop is
+    blocked: the real redis-server, or a `StoreServer` on its own loop in a thread."""
+    if kind == "redis":
+        store = RedisStore(redis_server.url, key_prefix="stall:", socket_timeout_s=0.1)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    path = tmp_path / "cluster.sock"
+    started = threading.Event()
+    stop: list[Callable[[], None]] = []
+
+    async def serve() -> None:
+        server = StoreServer(path)
+        await server.start()
+        done = asyncio.Event()
+        stop.append(lambda: loop.call_soon_threadsafe(done.set))
+        started.set()
+        await done.wait()
+        await server.close()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    client = LocalStoreClient(path, timeout_s=0.1)
+    try:
+        yield client
+    finally:
+        await client.close()
+        stop[0]()
+        thread.join(10)
+        loop.close()
+
+
+def _stall_after_the_next_write(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Block this process's loop once the next request is handed to the kernel and the
+    caller waits for the answer, so that the answer arrives during the stall (both
+    clients write through asyncio's StreamWriter; the stall is the only thing changed)."""
+    for name in ("write", "writelines"):
+        real = getattr(asyncio.StreamWriter, name)
+
+        def stalling(self: asyncio.StreamWriter, data: Any, real: Any = real) -> None:
+            real(self, data)
+            monkeypatch.undo()
+            # A few turns of the loop later: by then the caller waits for the answer with
+            # its timer armed (redis-py's write and read take three), and the answer,
+            # ~0.1 ms away, has not been read yet.
+            loop = asyncio.get_running_loop()
+
+            def later(turns: int) -> None:
+                if turns:
+                    loop.call_soon(later, turns - 1)
+                else:
+                    time.sleep(seconds)
+
+            later(4)
+
+        monkeypatch.setattr(asyncio.StreamWriter, name, stalling)
+
+
+@pytest.mark.parametrize("kind", ["redis", "local"])
+async def test_a_stall_of_this_process_is_not_an_unreachable_store(
+    kind: str, tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store answers while this process's own loop is blocked (a GC pause, a CPU
+    taken on a loaded machine) for three times the timeout: the answer is used. Before,
+    every call in flight failed as StoreUnavailable, and the instance went fail-static
+    (a CI run's rollout poll met the 503 that follows)."""
+    async with _store_outside_this_loop(kind, tmp_path, redis_server) as store:
+        await store.heartbeat("a", b"report", 30.0)  # connected
+        _stall_after_the_next_write(monkeypatch, 0.3)
+        assert await store.members() == {"a": b"report"}
+        _stall_after_the_next_write(monkeypatch, 0.3)
+        lease = await store.acquire("a", "http://a", 30.0)
+        assert lease is not None and lease.holder == "a"

@@ -44,6 +44,7 @@ from seawall.cluster.store import (
     MemoryStore,
     StoreUnavailable,
 )
+from seawall.state.store_timeout import StoreTimeout
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class LocalStoreClient:
     async def _call(self, op: str, *args: Any) -> Any:
         async with self._lock:
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with StoreTimeout(self.timeout_s):  # not fooled by this loop's stalls
                     if self._conn is None:
                         self._conn = await asyncio.open_unix_connection(str(self.path))
                     reader, writer = self._conn

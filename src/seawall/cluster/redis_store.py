@@ -15,7 +15,8 @@ closed): after Redis restarts, every connection idle in the pool is dead and fai
 first use, and that must not read as a second outage. Never after a timeout: a reply
 that was merely late may have been applied, and the next tick comes anyway.
 
-Must not: block longer than twice its socket timeout, or raise anything but
+Must not: block a call longer than twice its socket timeout (`StoreTimeout`: once, and
+once more after a stall of this process's own loop), or raise anything but
 `StoreUnavailable` and `FencedOut`.
 """
 
@@ -31,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from seawall.cluster.store import DEFAULT_LIST_CAP, FencedOut, Lease, StoreUnavailable
+from seawall.state.store_timeout import StoreTimeout
 
 # KEYS: leader, epoch. ARGV: instance, info, ttl ms, min epoch.
 # Returns the lease as JSON when `instance` holds it afterwards, else false.
@@ -152,9 +154,13 @@ class RedisStore:
         self, url: str, key_prefix: str = "seawall:cluster:", socket_timeout_s: float = 0.5
     ) -> None:
         self.prefix = key_prefix
+        self.socket_timeout_s = socket_timeout_s
         self._redis = aioredis.Redis.from_url(
             url,
-            socket_timeout=socket_timeout_s,
+            # Each call is bounded by a `StoreTimeout` instead (a stall of this process's
+            # loop is not Redis being slow); the connect timeout bounds each connection's
+            # opening and closing.
+            socket_timeout=None,
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
@@ -173,7 +179,8 @@ class RedisStore:
 
     async def _call(self, coro: Any) -> Any:
         try:
-            return await coro
+            async with StoreTimeout(self.socket_timeout_s):
+                return await coro
         except ResponseError as e:
             text = str(e)
             if text.startswith("FENCED"):
