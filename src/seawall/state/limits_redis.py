@@ -342,7 +342,7 @@ class RedisLimits:
             url,
             # Each call, connecting included, is bounded by a `StoreTimeout` instead: a
             # stall of this process's loop is not Redis being slow. The client's own
-            # connect timeout, longer, bounds closing a connection.
+            # connect timeout is only a backstop, longer.
             socket_timeout=None,
             socket_connect_timeout=max(1.0, socket_timeout_s),
             # No retries: a script whose reply was lost may have run, and running an
@@ -421,8 +421,11 @@ class RedisLimits:
         log.warning("limits backend unreachable (%s: %s); %s", type(error).__name__, error, action)
         # Drop every pooled connection: after a Redis restart they are all dead, and the
         # next probe must open a fresh one rather than fail on a stale one.
+        # Bounded as a call is: closing waits for unsent bytes, which an unreachable
+        # Redis never takes.
         with contextlib.suppress(Exception):  # the pool is being dropped: nothing to keep
-            await self._redis.connection_pool.disconnect()
+            async with StoreTimeout(self.socket_timeout_s):
+                await self._redis.connection_pool.disconnect()
 
     def _came_back(self) -> None:
         self._streak = 0
