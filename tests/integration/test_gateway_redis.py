@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,50 @@ def test_three_gateways_admit_within_two_percent_of_one_limit(
         # Each gateway alone would have admitted up to the whole limit: check it was shared.
         admitted = [metric_sum(scrape(g.url), "seawall_requests_total", status="200") for g in gws]
         assert all(a < per_min for a in admitted) and sum(admitted) == ok
+
+
+def test_a_gateway_paused_mid_burst_does_not_grant_its_share_twice(
+    redis_server: RedisServer, artifacts: Path
+) -> None:
+    """One gateway's process stops for 0.3 s while its acquires are in flight (a VM
+    pause, a long GC pause, a CPU taken on a loaded host: what a CI run met), and Redis
+    answers them meanwhile. Before: the answers were thrown away as timeouts, the
+    gateway took it for a Redis outage and granted its share of the bucket from its
+    fallback on top of what the other two took (415 admitted against 320 in that run;
+    587-595 against 310 here, where no cluster tells a gateway of the other two, so
+    its share is the whole level it last saw).
+    To have acquires in flight when the process stops, Redis itself stops first for
+    60 ms (shorter than the 0.1 s timeout: the other two gateways wait it out)."""
+    sim = start_sim(artifacts, "--step-base-ms", "0.1", "--step-per-seq-ms", "0")
+    per_min = 300
+    gws = gateways(artifacts, sim, redis_server, {"requests_per_min": per_min})
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert redis_server.proc is not None
+    redis_proc = redis_server.proc
+
+    async def burst_with_a_pause() -> tuple[int, int, float]:
+        load = asyncio.create_task(hammer([g.url for g in gws], 15.0, 24, body))
+        await asyncio.sleep(0.1)  # the burst is under way: the bucket is still full
+        redis_proc.signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.03)  # the gateways' acquires wait on Redis
+            gws[0].signal(signal.SIGSTOP)
+            await asyncio.sleep(0.03)
+        finally:
+            redis_proc.signal(signal.SIGCONT)
+        try:
+            await asyncio.sleep(0.3)  # Redis answers gw0 while gw0 is stopped
+        finally:
+            gws[0].signal(signal.SIGCONT)
+        return await load
+
+    with running(sim, *gws):
+        ok, refused, elapsed = asyncio.run(burst_with_a_pause())
+        assert refused > 0
+        expected = per_min + per_min / 60 * elapsed
+        assert abs(ok - expected) <= 0.02 * expected, (ok, expected, elapsed)
+        assert metric_sum(scrape(gws[0].url), "seawall_ratelimit_backend_degraded") == 0
+    assert "limits backend unreachable" not in gws[0].log()
 
 
 def test_concurrency_limit_holds_across_three_gateways(
