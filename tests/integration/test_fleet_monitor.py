@@ -314,6 +314,48 @@ async def test_a_node_that_keeps_failing_is_cordoned_and_stays_cordoned_across_r
         assert len(actuator.restarts) == restarts_before + 1  # uncordon gives a fresh process
 
 
+@dataclass
+class RemovedWhileRestartingActuator(RespawnActuator):
+    """A Kubernetes-like restart: the pod's deletion takes it out of discovery, and the
+    monitor hears of that (its next EndpointSlice read) before the actuator's own call
+    has returned, as happens when the API server answers slowly on a loaded machine."""
+
+    monitor: FleetMonitor | None = None
+
+    async def restart(self, replica: ReplicaRef, reason: str) -> bool:
+        await super().restart(replica, reason)
+        assert self.monitor is not None
+        self.monitor.remove_replica(replica.replica_id)  # discovery: the pod is gone
+        await asyncio.sleep(0.05)  # ...and the delete's answer comes after
+        return True
+
+
+async def test_a_restart_whose_pod_left_discovery_meanwhile_still_counts_towards_a_cordon(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    """Before: removing the replica cancelled its restart action mid-way, so the restart
+    was never written to the ledger and the node's K-th restart never cordoned it (a CI
+    run of the Kubernetes cluster test waited 40 s for a cordon that never came)."""
+    actuator = RemovedWhileRestartingActuator(artifacts)
+    try:
+        spec = start_sim(actuator)
+        config = fast_config(tmp_path, restart_limit=1)
+        async with FleetMonitor(config, [spec], actuator=actuator) as monitor:
+            actuator.monitor = monitor
+            await until(lambda: routable(monitor), "replica ready")
+            await fault(spec.url, {"kind": "engine_dead", "grace_s": 30})
+            await until(lambda: not monitor.watches("r0"), "r0 out of discovery")
+            monitor.add_replica(spec)  # discovery again: the new pod
+            await until(lambda: bool(actuator.cordons), "node cordoned")
+            [evidence] = actuator.cordons
+            assert evidence.node == "n1" and [r[1] for r in evidence.restarts] == ["r0"]
+            assert len(await monitor.ledger.restarts("n1", 0.0)) == 1
+            await until(lambda: view_of(monitor).state == "cordoned", "r0 cordoned")
+    finally:
+        for proc in actuator.procs.values():
+            proc.stop(2.0)
+
+
 async def long_stream(url: str) -> None:
     body = {"model": "m", "prompt": "Tell me a story", "max_tokens": 4000, "stream": True}
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as resp:

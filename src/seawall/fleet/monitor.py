@@ -280,7 +280,11 @@ class FleetMonitor:
             return
         for t in rep.tasks:
             t.cancel()
-        if rep.action is not None:
+        # A restart already under way is the node's business too: its ledger row and the
+        # cordon it may complete must survive the replica leaving discovery, which its
+        # own pod deletion causes (and may report before the actuator's call returns).
+        # It is bounded by the actuator's and the ledger's timeouts; anything else stops.
+        if rep.action is not None and rep.action_kind != "restart":
             rep.action.cancel()
         self._publish()
 
