@@ -10,13 +10,13 @@ from the hub by model name; nothing is fetched here, so `make_tokenizer` trains 
 byte-level BPE with the `tokenizers` library and saves it where transformers'
 `AutoTokenizer` loads it from a folder.
 
-guidellm's data loader (a torch DataLoader worker, `pt_data_worker` in `top`) prepares
-4,096 prompts ahead of demand by default (`prefetch_factor`): with 128-token prompts it
-held 99% of one of this machine's two cores for the whole of a 20 s run, while what it
-measured shared the other. A run here asks for `PREFETCH` prompts ahead instead (its own
-`--data-loader` option; guidellm itself is unchanged): 4 s of requests at 4 a second,
-refilled as they are taken, and the worker is idle between refills (guidellm's main
-process then took 4.5% of a core, its ten request workers 3.5% each).
+guidellm's data loader (a torch DataLoader worker, `pt_data_worker`) prepares 4,096
+prompts ahead of demand by default (`prefetch_factor`): with 128-token prompts at 4
+requests a second (its CPU time read with `ps` every 2 s through one 20 s run) it used
+~7 s of a core, from ~2 s before the first request to ~6 s after it, while what it
+measured shared the machine's two cores. A run here asks for `PREFETCH` prompts ahead
+(its own `--data-loader` option; guidellm itself is unchanged): ~4 s, to ~4 s after the
+first request (the rest is its start-up); idle after that either way.
 """
 
 from __future__ import annotations
