@@ -275,3 +275,26 @@ async def test_a_stall_of_this_process_is_not_an_unreachable_store(
         _stall_after_the_next_write(monkeypatch, 0.3)
         lease = await store.acquire("a", "http://a", 30.0)
         assert lease is not None and lease.holder == "a"
+
+
+async def test_a_stall_while_redis_accepts_the_connection_is_not_an_outage(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first call opens the connection; this loop is blocked while Redis accepts it,
+    longer than the call's timeout. Before: redis-py's own connect timeout, as long as
+    the call's, expired with the connection already made, and the call failed as
+    StoreUnavailable."""
+    real = asyncio.open_connection
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        asyncio.get_running_loop().call_soon(time.sleep, 0.6)  # while the connect is pending
+        return await real(*args, **kwargs)
+
+    store = RedisStore(redis_server.url, key_prefix="stall-connect:", socket_timeout_s=0.5)
+    monkeypatch.setattr(asyncio, "open_connection", stalled)
+    try:
+        await store.heartbeat("a", b"report", 30.0)
+        monkeypatch.undo()
+        assert await store.members() == {"a": b"report"}
+    finally:
+        await store.close()

@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from seawall.cluster.store import DEFAULT_LIST_CAP, FencedOut, Lease, StoreUnavailable
-from seawall.state.store_timeout import StoreTimeout
+from seawall.state.store_timeout import StoreTimeout, client_backstop_s
 
 # KEYS: leader, epoch. ARGV: instance, info, ttl ms, min epoch.
 # Returns the lease as JSON when `instance` holds it afterwards, else false.
@@ -157,11 +157,11 @@ class RedisStore:
         self.socket_timeout_s = socket_timeout_s
         self._redis = aioredis.Redis.from_url(
             url,
-            # Each call is bounded by a `StoreTimeout` instead (a stall of this process's
-            # loop is not Redis being slow); the connect timeout bounds each connection's
-            # opening and closing.
+            # Each call, connecting included, is bounded by a `StoreTimeout` instead (a
+            # stall of this process's loop is not Redis being slow); the client's own
+            # connect timeout is only a backstop, longer.
             socket_timeout=None,
-            socket_connect_timeout=socket_timeout_s,
+            socket_connect_timeout=client_backstop_s(socket_timeout_s),
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
         )

@@ -82,7 +82,7 @@ from seawall.state.limits import (
     denial,
     new_lease_id,
 )
-from seawall.state.store_timeout import StoreTimeout
+from seawall.state.store_timeout import StoreTimeout, client_backstop_s
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class RedisLimits:
             # stall of this process's loop is not Redis being slow. The client's own
             # connect timeout is only a backstop, longer.
             socket_timeout=None,
-            socket_connect_timeout=max(1.0, socket_timeout_s),
+            socket_connect_timeout=client_backstop_s(socket_timeout_s),
             # No retries: a script whose reply was lost may have run, and running an
             # acquire twice would charge twice. The caller falls back instead.
             retry=Retry(NoBackoff(), 0),

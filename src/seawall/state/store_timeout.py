@@ -27,6 +27,13 @@ from types import TracebackType
 LATE_S = 0.02  # a timer this late means the loop was blocked (jitter is ~1 ms)
 
 
+def client_backstop_s(delay: float) -> float:
+    """The timeout to give a store client's own connect (and close) when its calls are
+    bounded by `StoreTimeout(delay)`: longer than a call can take after a grace, so that
+    the client's plain timer never expires first on a connection already made."""
+    return max(1.0, 2 * delay)
+
+
 class StoreTimeout:
     """`async with StoreTimeout(delay): await store_call()`; raises TimeoutError."""
 
