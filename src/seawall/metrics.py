@@ -53,6 +53,7 @@ SHED_LATENCY = "seawall_shed_latency_seconds"
 QUEUE_DEPTH = "seawall_admission_queue_depth"
 ADMISSION_RESERVE_LEVEL = "seawall_admission_reserve_level"
 RATELIMIT_BACKEND_DEGRADED = "seawall_ratelimit_backend_degraded"
+RATELIMIT_INSTANCES = "seawall_ratelimit_instances"
 REPLICA_STATE = "seawall_replica_state"
 REPLICA_SCORE = "seawall_replica_health_score"
 REPLICA_SCORE_PART = "seawall_replica_health_score_part"
@@ -251,6 +252,13 @@ class Metrics:
             RATELIMIT_BACKEND_DEGRADED,
             "1 while the shared rate-limit backend (Redis) is unreachable and the configured "
             "failure mode is in force.",
+            registry=r,
+        )
+        self.ratelimit_instances = Gauge(
+            RATELIMIT_INSTANCES,
+            "Gateway instances this one counts as sharing the tenant limits, itself "
+            "included: a fail-open fallback holds 1/N of each limit (the cluster's count, or "
+            "without one, the instances beating in Redis; 1 for per-process limits).",
             registry=r,
         )
         self.replica_state = Gauge(

@@ -213,3 +213,46 @@ def test_redis_outage_is_survived_in_the_configured_mode(
 
         wait_until(recovered, 15, interval=0.5, what="recovery after redis restart")
         assert "redis" in gws[0].log().lower()  # the outage is said in the logs
+
+
+def test_without_a_cluster_the_gateways_count_each_other_and_share_an_outage(
+    redis_server: RedisServer, artifacts: Path
+) -> None:
+    """`ratelimit: redis` and no `cluster:` (compose files, VMs behind a load balancer):
+    the gateways count each other through Redis, so that when it goes down each fail-open
+    fallback grants its third of what was left, not all of it. Before, a gateway without
+    a cluster counted itself alone, and the three fallbacks together granted three times
+    what was left of the tenant's bucket."""
+    sim = start_sim(artifacts, "--step-base-ms", "0.1", "--step-per-seq-ms", "0")
+    per_min = 120  # a burst of 120, then 2 per second
+    gws = gateways(artifacts, sim, redis_server, {"requests_per_min": per_min})
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    auth = {"Authorization": f"Bearer {HASH_KEY}"}
+    with running(sim, *gws), httpx.Client(timeout=10, headers=auth) as c:
+        wait_until(
+            lambda: all(metric_sum(scrape(g.url), "seawall_ratelimit_instances") == 3 for g in gws),
+            15,
+            interval=0.2,
+            what="each gateway counts three",
+        )
+        started = time.monotonic()
+        spent = 60  # half the burst, round-robin: each gateway sees the bucket's level
+        for i in range(spent):
+            assert c.post(gws[i % 3].url + "/v1/completions", json=body).status_code == 200
+        redis_server.stop()
+        granted = 0
+        for g in gws:  # each until its fallback refuses; bounded
+            for _ in range(per_min):
+                r = c.post(g.url + "/v1/completions", json=body)
+                assert r.status_code in (200, 429), r.text
+                if r.status_code == 429:
+                    break
+                granted += 1
+        elapsed = time.monotonic() - started
+        left = per_min - spent + per_min / 60 * elapsed  # what the shared bucket held
+        print(f"\nduring the outage: {granted} granted of {left:.0f} left")
+        assert granted <= 1.1 * left + 3, (granted, left)  # before: about 3x
+        assert granted >= 0.7 * (per_min - spent)  # fail-open: the fallbacks do grant
+        assert all(
+            metric_sum(scrape(g.url), "seawall_ratelimit_backend_degraded") == 1 for g in gws
+        )

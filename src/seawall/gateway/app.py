@@ -216,8 +216,9 @@ class Gateway:
             key_prefix=rate.key_prefix,
             # A lease outlives the longest request, so only a crashed gateway's leases expire.
             lease_ttl_s=config.timeouts.total_s + 60.0,
-            # A fail-open fallback holds this instance's share of each limit.
-            instances=self.instance_count,
+            # A fail-open fallback holds this instance's share of each limit: of the
+            # cluster's instances, or without one, of those Redis counts.
+            instances=self.instance_count if self.cluster is not None else None,
         )
         self.tenancy = Tenancy(config, backend, m, self.catalog.max_model_len)
         # Pools: which group of replicas a request may use (gateway/pools.py).
@@ -802,6 +803,7 @@ class Gateway:
 
             self.monitor.actuator = await KubernetesActuator.from_environment()
         await self.monitor.start()
+        await self.tenancy.start()
         if self.cluster is None:
             await self._start_discovery()  # with a cluster, the leader alone discovers
         self._tasks.append(asyncio.create_task(self.catalog.run(self.session)))

@@ -86,6 +86,7 @@ class Tenancy:
         }
         self.estimate = EstimateCounter()
         self._orphans: set[asyncio.Future[None]] = set()
+        metrics.ratelimit_instances.set_function(backend.sharers)
 
     def reload(self, config: GatewayConfig) -> None:
         """New tenants, keys and tiers for the requests that authenticate from now on;
@@ -276,6 +277,9 @@ class Tenancy:
             "open": policy.keys is None,
             "admission": self.admission.enabled,
         }
+
+    async def start(self) -> None:
+        await self.backend.start()
 
     async def close(self) -> None:
         await self.backend.close()

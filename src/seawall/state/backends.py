@@ -18,11 +18,12 @@ def open_limits_backend(
     fail_mode: Literal["open", "closed"] = "open",
     key_prefix: str = "seawall:limits:",
     lease_ttl_s: float = 660.0,
-    instances: Callable[[], int] = lambda: 1,
+    instances: Callable[[], int] | None = None,
 ) -> LimitsBackend:
     """The configured backend: shared through Redis when a URL is given, else in-memory.
-    Constructing either does no I/O (Redis connects on the first request). `instances`:
-    how many gateway instances share the limits (a fail-open fallback holds a share)."""
+    Constructing either does no I/O (Redis connects on `start` or the first request).
+    `instances`: how many gateway instances share the limits (a fail-open fallback holds
+    a share); None: Redis counts them itself."""
     if redis_url is None:
         return MemoryLimits(lease_ttl_s=lease_ttl_s)
     from seawall.state.limits_redis import RedisLimits  # only deployments with Redis

@@ -128,6 +128,14 @@ class LimitsBackend(Protocol):
         saw, None when the real usage is unknown (the estimate then stands)."""
         ...
 
+    def sharers(self) -> int:
+        """Gateway instances sharing these limits, this one included."""
+        ...
+
+    async def start(self) -> None:
+        """Begin any background work (called once the event loop runs)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -430,6 +438,12 @@ class MemoryLimits:
     def retry_after_for_concurrency(self, tenant: str) -> float:
         state = self._tenants.get(tenant)
         return DEFAULT_CONCURRENCY_RETRY_S if state is None else state.durations.retry_after_s()
+
+    def sharers(self) -> int:
+        return 1  # per process: nothing is shared
+
+    async def start(self) -> None:
+        pass
 
     async def close(self) -> None:
         self._tenants.clear()

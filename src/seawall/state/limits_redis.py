@@ -45,7 +45,7 @@ interval); the transitions are logged once each, not per request.
 The fallback must not multiply the limit (issue 15: with three gateways, a 0.3 s pause
 once let 242-344% of the allowance through, each fallback starting as a fresh, full
 bucket for 2 s). So it holds this instance's share of each limit (limit / N, N the live
-gateway instances, `instances`; `max_concurrent // N`, at least 1), and it starts from
+gateway instances; `max_concurrent // N`, at least 1), and it starts from
 the level Redis last reported for the tenant (every acquire's reply carries the
 buckets' levels), refilled since, divided by N: the instances' fallbacks together
 continue the shared bucket instead of each starting a new one. What a fallback grants
@@ -53,6 +53,14 @@ is owed to the shared buckets: once Redis answers, the debt is charged there (ne
 below empty: after a long outage the grants were paid by refills that Redis capped), so
 that the allowance is not granted once by the fallbacks and again by Redis. Each
 episode of fallback starts from the newest level seen.
+
+N comes from `instances` when a cluster counts the gateways (`cluster:`); without one the
+instances count each other here, through Redis itself: each beats every `MEMBER_BEAT_S`
+into one sorted set (`<key_prefix>instances`, scored by expiry on Redis's clock, an
+instance gone after `MEMBER_TTL_S` without a beat, and at once when it closes), and
+keeps the count the last beat returned. Beats stop while Redis is unreachable, so an
+outage is shared by the count from just before it. (Before, a gateway without a cluster
+counted itself alone, and N fallbacks granted N times what was left.)
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -285,6 +296,22 @@ return 1
 )
 
 
+# KEYS: the instances' sorted set. ARGV: this instance's id, the member TTL in ms.
+# Scored by expiry on Redis's clock; the expired are dropped; returns the live count.
+_MEMBER_LUA = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+MEMBER_BEAT_S = 1.0  # how often an instance without a cluster says it is alive
+MEMBER_TTL_S = 3.0  # ... and how long after its last beat it still counts
+
+
 @dataclass(slots=True)
 class _Undelivered:
     """A cancel, a release or a fallback's debt that has not reached Redis yet."""
@@ -326,13 +353,18 @@ class RedisLimits:
         socket_timeout_s: float = 0.1,
         reconnect_interval_s: float = 2.0,
         clock: Literal["server", "caller"] = "server",
-        instances: Callable[[], int] = lambda: 1,
+        instances: Callable[[], int] | None = None,
         failures_to_degrade: int = 3,
     ) -> None:
         if fail_mode not in ("open", "closed"):
             raise ValueError(f"fail_mode must be 'open' or 'closed', not {fail_mode!r}")
         self.fail_mode = fail_mode
-        self.instances = instances  # gateway instances sharing the limits (the role manager's)
+        # Gateway instances sharing the limits: the cluster's count, or (None) counted
+        # here through Redis (the module docstring).
+        self.instances = instances
+        self._members = 1  # the count the last beat returned (this instance included)
+        self._member_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._beater: asyncio.Task[None] | None = None
         self.key_prefix = key_prefix
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_interval_s = reconnect_interval_s
@@ -358,6 +390,7 @@ class RedisLimits:
         self._release_script = self._redis.register_script(_RELEASE_LUA)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
         self._charge_script = self._redis.register_script(_CHARGE_LUA)
+        self._member_script = self._redis.register_script(_MEMBER_LUA)
         # Cancels and releases not yet delivered (see the module docstring), by lease id.
         self._undelivered: dict[str, _Undelivered] = {}
         self._flusher: asyncio.Task[None] | None = None
@@ -382,6 +415,30 @@ class RedisLimits:
         """(requests bucket, prompt-tokens bucket, leases) keys of a tenant."""
         base = f"{self.key_prefix}{{{_hash_tag(tenant)}}}"
         return f"{base}:requests", f"{base}:prompt_tokens", f"{base}:leases"
+
+    def sharers(self) -> int:
+        """Gateway instances sharing the limits, this one included (a fail-open
+        fallback holds 1/N of each limit)."""
+        if self.instances is not None:
+            return max(1, int(self.instances()))
+        return self._members
+
+    async def start(self) -> None:
+        """Without a cluster's count, start counting the instances through Redis (its
+        first beat at once; a Redis that is down is not waited for)."""
+        if self.instances is None and self._beater is None:
+            self._beater = asyncio.get_running_loop().create_task(self._beat_loop())
+
+    async def _beat_loop(self) -> None:
+        key = f"{self.key_prefix}instances"
+        ttl_ms = str(int(MEMBER_TTL_S * 1000))
+        while True:
+            if not self.degraded:  # while it is, the request path alone probes Redis
+                with contextlib.suppress(Exception):  # a lost beat: the count stands
+                    async with StoreTimeout(self.socket_timeout_s):
+                        n = await self._member_script(keys=[key], args=[self._member_id, ttl_ms])
+                    self._members = max(1, int(n))
+            await asyncio.sleep(MEMBER_BEAT_S)
 
     def _script_keys(self, tenant: str) -> list[str]:
         """The three above and the tombstones of cancelled lease ids (one hash slot)."""
@@ -447,7 +504,7 @@ class RedisLimits:
         if self.fail_mode == "closed":
             retry_after_s = max(1.0, self._next_attempt_at - now)
             return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
-        n = max(1, int(self.instances()))
+        n = self.sharers()
         share = _share(limits, n)
         if tenant not in self._seeded:
             self._seeded.add(tenant)
@@ -778,10 +835,16 @@ class RedisLimits:
     async def close(self) -> None:
         if self._undelivered and not self.degraded:
             await self._deliver()  # last chance; the rest expire by their TTL
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in (self._flusher, self._beater):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._beater is not None and not self.degraded:
+            # Leave the count at once rather than after MEMBER_TTL_S.
+            with contextlib.suppress(Exception):
+                async with StoreTimeout(self.socket_timeout_s):
+                    await self._redis.zrem(f"{self.key_prefix}instances", self._member_id)
         await self._redis.aclose()
         await self.fallback.close()
 
