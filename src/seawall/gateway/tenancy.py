@@ -273,6 +273,7 @@ class Tenancy:
             "backend": self.ratelimit.backend,
             "fail_mode": self.ratelimit.fail_mode,
             "degraded": self.backend.degraded,
+            "instances": self.backend.sharers(),  # a fail-open fallback holds 1/N
             "tenants": len(policy.tenants),
             "open": policy.keys is None,
             "admission": self.admission.enabled,
