@@ -15,6 +15,7 @@ the engine moves.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,9 @@ async def scrape_text(
                 return ScrapeError(f"http_{resp.status}", resp.status, text[:200])
             return text
     except Exception as exc:
-        return ScrapeError(_error_code(exc), None, repr(exc)[:200])
+        failed = ScrapeError(_error_code(exc), None, repr(exc)[:200])
+        forget_failure(exc)
+        return failed
 
 
 async def scrape(
@@ -185,7 +188,31 @@ def _generated(data: Any) -> bool:
 
 
 def _failure(exc: BaseException, started: float) -> ProbeResult:
-    return ProbeResult(False, clock.monotonic() - started, None, _error_code(exc), repr(exc)[:200])
+    failed = ProbeResult(
+        False, clock.monotonic() - started, None, _error_code(exc), repr(exc)[:200]
+    )
+    forget_failure(exc)
+    return failed
+
+
+def forget_failure(exc: BaseException) -> None:
+    """Break the reference cycles a failed call leaves: aiohttp's errors keep their
+    tracebacks, whose frames hold the errors (and the request, its timer, its socket), so
+    each failure would wait for the cycle collector, whose passes stop the event loop and
+    every stream on it, and a dead replica fails its probes every second. Clears the
+    finished frames' locals (the executing ones, this probe's, are left alone) of the
+    error and every error chained to it."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        pending += (e.__cause__, e.__context__)
 
 
 def _error_code(exc: BaseException) -> str:

@@ -12,12 +12,12 @@ Must not: route or refuse (it only learns).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
+from seawall.fleet.probes import forget_failure
 from seawall.gateway.replicas import ReplicaSet
 
 _PENDING_INTERVAL_S = 1.0  # a replica whose model is not known yet is asked again soon
@@ -65,7 +65,7 @@ class ModelCatalog:
                 r for r in self.replicas.all() if r.model is None or r.model not in self.cards
             ]
             for r in pending:
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                try:
                     auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else None
                     async with session.get(
                         r.url + "/v1/models", headers=auth, timeout=aiohttp.ClientTimeout(total=2.0)
@@ -79,6 +79,8 @@ class ModelCatalog:
                             r.model = str(cards[0]["id"])
                         for card in cards:
                             self._learn(str(card["id"]), card)
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                    forget_failure(exc)  # asked again in a second: leave no cycle each time
             await asyncio.sleep(_PENDING_INTERVAL_S if pending else _KNOWN_INTERVAL_S)
 
     def _learn(self, model: str, card: dict[str, Any]) -> None:
