@@ -33,8 +33,8 @@ pytestmark = pytest.mark.integration
 def described(obj: object) -> str | None:
     """What `obj` is, when it belongs to the gateway's request path (None otherwise):
     Seawall's objects, and coroutines and tasks of Seawall's code or of aiohttp's server
-    handler. Not aiohttp's client coroutines: a fleet monitor probe that fails to connect
-    leaves a cycle inside aiohttp, off the request path."""
+    handler. Not aiohttp's client coroutines: the fleet monitor's probes are off the
+    request path (what a dead replica's leave is tested below)."""
     kind = type(obj)
     if kind.__module__.startswith("seawall"):
         return f"{kind.__module__}.{kind.__qualname__}"
