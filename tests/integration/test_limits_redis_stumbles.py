@@ -250,3 +250,70 @@ async def test_a_runtime_error_from_the_client_is_a_fallback_or_a_503_never_a_50
             assert during.retry_after_s >= 1.0
     finally:
         await backend.close()
+
+
+async def test_a_second_outage_soon_after_the_first_does_not_grant_the_share_again(
+    redis_server: RedisServer,
+) -> None:
+    """Two outages a moment apart (Redis pausing twice, or the backlog after one pause
+    timing out a few more calls). The second episode must continue this instance's share
+    of the bucket, not start a fresh one from a level Redis reported before the other
+    instances' debts reached it. Before: the second episode granted a third of that
+    level again (734 granted against an allowance of 606). Caller time, exact: three
+    instances; each spends its share in the first outage; the other two then close still
+    owing it (as if their debts arrived after the second outage began); instance a comes
+    back, sees the level, and Redis stops again."""
+    assert redis_server.proc is not None
+    limits = TenantLimits(requests_per_min=600)  # a burst of 600, then 10 per second
+    a, b, c = instances = [
+        RedisLimits(
+            redis_server.url,
+            "open",
+            "twice:",
+            socket_timeout_s=0.1,
+            reconnect_interval_s=0.5,
+            clock="caller",
+            failures_to_degrade=1,
+        )
+        for _ in range(INSTANCES)
+    ]
+    for x in instances:
+        x.instances = lambda: INSTANCES
+    t = 1000.0
+    granted = 0
+
+    async def spend(x: RedisLimits, now: float) -> int:
+        n = 0
+        for _ in range(1000):  # bounded: a share is 200
+            if not isinstance(await x.acquire("acme", limits, 0, now), Lease):
+                return n
+            n += 1
+        return n
+
+    try:
+        for x in instances:  # each sees the full bucket
+            assert isinstance(await x.acquire("acme", limits, 0, t), Lease)
+            granted += 1
+        redis_server.proc.signal(signal.SIGSTOP)
+        try:
+            for x in instances:
+                granted += await spend(x, t)  # the first outage: each its share
+        finally:
+            redis_server.proc.signal(signal.SIGCONT)
+        assert all(x.degraded for x in instances)
+        await b.close()
+        await c.close()
+        t += 0.6  # past the reconnect interval: a tries Redis again, and it answers
+        assert isinstance(await a.acquire("acme", limits, 0, t), Lease)
+        granted += 1
+        assert not a.degraded
+        redis_server.proc.signal(signal.SIGSTOP)
+        try:
+            granted += await spend(a, t + 0.01)  # the second outage
+        finally:
+            redis_server.proc.signal(signal.SIGCONT)
+    finally:
+        await a.close()
+    allowance = 600 + 10 * 0.61
+    print(f"\n{granted} granted of an allowance of {allowance:.0f}")
+    assert granted <= allowance + 2, (granted, allowance)

@@ -309,13 +309,20 @@ class MemoryLimits:
         tokens_level: float | None,
         now: float,
     ) -> None:
-        """Start the tenant's buckets at the given levels (None: full), under `limits`.
-        A fallback for a shared backend starts where the shared buckets were, not full
-        (`limits_redis.py`); the tenant's leases and recent durations are kept."""
+        """Start the tenant's buckets at the given levels (None: full), under `limits`,
+        but never above where its buckets already are (refilled since). A fallback for a
+        shared backend starts where the shared buckets were, not full (`limits_redis.py`),
+        and a second fallback soon after the first continues what the first left: the
+        level the shared backend reported may not yet hold what the fallbacks granted.
+        The tenant's leases and recent durations are kept."""
+        known = tenant in self._tenants
         state = self._state(tenant, limits, now)
         for bucket, level in ((state.requests, requests_level), (state.tokens, tokens_level)):
             if bucket is not None:
-                bucket.tokens = bucket.capacity if level is None else min(level, bucket.capacity)
+                start = bucket.capacity if level is None else min(level, bucket.capacity)
+                if known:
+                    start = min(start, bucket.level(now))
+                bucket.tokens = start
                 bucket.updated_at = now
 
     def _expire_leases(self, state: _TenantState, now: float) -> None:
