@@ -213,6 +213,14 @@ def test_redis_outage_is_survived_in_the_configured_mode(
 
         wait_until(recovered, 15, interval=0.5, what="recovery after redis restart")
         assert "redis" in gws[0].log().lower()  # the outage is said in the logs
+        # The restarted Redis lost the instances' count; they count each other again
+        # (a gateway that took no request since still beats), ready for the next outage.
+        wait_until(
+            lambda: all(metric_sum(scrape(g.url), "seawall_ratelimit_instances") == 3 for g in gws),
+            15,
+            interval=0.2,
+            what="each gateway counts three again",
+        )
 
 
 def test_without_a_cluster_the_gateways_count_each_other_and_share_an_outage(

@@ -557,3 +557,44 @@ async def _until_async(
         if clock.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what} (last: {value!r})")
         await asyncio.sleep(0.02)
+
+
+# ------------------------------- instances that count each other (no cluster to say)
+
+
+async def test_instances_count_each_other_and_an_idle_one_comes_back_after_an_outage(
+    redis_server: RedisServer,
+) -> None:
+    """Two instances without a cluster count each other through Redis (a fail-open
+    fallback holds 1/N). One goes through an outage and then takes no request: it still
+    comes back once Redis does (its beat is its probe), and both count two again in the
+    restarted Redis, which lost the count. Before, an instance whose kept cancels expired
+    during the outage took that for Redis coming back (`degraded` 0, "shared limits
+    restored" logged, Redis still down), and one that took no request after an outage
+    was out of the count. Fail-closed here: a fail-open one's debts are kept a minute."""
+    a, b = (
+        RedisLimits(
+            redis_server.url, "closed", "idle-back:", lease_ttl_s=0.3, reconnect_interval_s=0.2
+        )
+        for _ in range(2)
+    )
+    try:
+        await a.start()
+        await b.start()
+        await _until(lambda: a.sharers() == b.sharers() == 2, "both counting two", 5)
+        redis_server.stop()
+        for _ in range(a.failures_to_degrade):
+            await a.acquire("acme", TenantLimits(requests_per_min=60), 0, clock.monotonic())
+        assert a.degraded
+        await _until(lambda: a.undelivered == 0, "its cancels expired and dropped", 5)
+        await asyncio.sleep(0.5)  # probes meanwhile (each 0.2 s) find Redis still down
+        assert a.degraded, "came back while Redis was still down"
+        redis_server.start()
+        await _until(lambda: not a.degraded, "the idle instance back once Redis is", 5)
+        await _until(lambda: a.sharers() == b.sharers() == 2, "both counting two again", 5)
+    finally:
+        await a.close()
+        await b.close()
+    assert a.sharers() == 2  # the count as last seen
+    async with aioredis.Redis.from_url(redis_server.url) as c:
+        assert await c.zcard("idle-back:instances") == 0  # both left the count at close

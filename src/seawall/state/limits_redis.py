@@ -52,15 +52,19 @@ continue the shared bucket instead of each starting a new one. What a fallback g
 is owed to the shared buckets: once Redis answers, the debt is charged there (never
 below empty: after a long outage the grants were paid by refills that Redis capped), so
 that the allowance is not granted once by the fallbacks and again by Redis. Each
-episode of fallback starts from the newest level seen.
+episode of fallback starts from the newest level seen, but never above what this
+instance's fallback had left from an episode before, refilled since (the level seen
+may not yet hold the other instances' debts).
 
 N comes from `instances` when a cluster counts the gateways (`cluster:`); without one the
 instances count each other here, through Redis itself: each beats every `MEMBER_BEAT_S`
 into one sorted set (`<key_prefix>instances`, scored by expiry on Redis's clock, an
 instance gone after `MEMBER_TTL_S` without a beat, and at once when it closes), and
-keeps the count the last beat returned. Beats stop while Redis is unreachable, so an
-outage is shared by the count from just before it. (Before, a gateway without a cluster
-counted itself alone, and N fallbacks granted N times what was left.)
+keeps the count the last beat returned. A lost beat leaves the count as it was, so an
+outage is shared by the count from just before it; while degraded, a beat is one of the
+probes (at most one per `reconnect_interval_s`), so an instance that takes no request
+still comes back, and is counted. (Before, a gateway without a cluster counted itself
+alone, and N fallbacks granted N times what was left.)
 """
 
 from __future__ import annotations
@@ -433,11 +437,19 @@ class RedisLimits:
         key = f"{self.key_prefix}instances"
         ttl_ms = str(int(MEMBER_TTL_S * 1000))
         while True:
-            if not self.degraded:  # while it is, the request path alone probes Redis
-                with contextlib.suppress(Exception):  # a lost beat: the count stands
+            # While degraded a beat is Redis's one probe per interval, like a request's,
+            # so an instance that takes no request still comes back (and is counted).
+            now = self._last_now if self._caller_clock else seawall_clock.monotonic()
+            if self._use_redis(now):
+                try:
                     async with StoreTimeout(self.socket_timeout_s):
                         n = await self._member_script(keys=[key], args=[self._member_id, ttl_ms])
+                except Exception:  # a lost beat: the count stands; outages are the requests' to say
+                    pass
+                else:
                     self._members = max(1, int(n))
+                    if self.degraded:
+                        self._came_back()
             await asyncio.sleep(MEMBER_BEAT_S)
 
     def _script_keys(self, tenant: str) -> list[str]:
@@ -787,8 +799,11 @@ class RedisLimits:
             self._flusher = asyncio.get_running_loop().create_task(self._deliver_loop())
 
     async def _deliver(self, tenant: str | None = None) -> bool:
-        """Deliver what is kept (only `tenant`'s, if given); False if Redis failed."""
+        """Deliver what is kept (only `tenant`'s, if given); False if Redis failed.
+        Redis is taken to be back only when one of them reached it: kept calls that
+        expired meanwhile are dropped without a word to it, and prove nothing."""
         mono = seawall_clock.monotonic()
+        answered = False
         for lease_id, u in list(self._undelivered.items()):
             if tenant is not None and u.tenant != tenant:
                 continue
@@ -805,9 +820,11 @@ class RedisLimits:
                     self._owe_again(u)
                 await self._failed(self._last_now, error)
                 return False
+            answered = True
             if u.kind != "charge":
                 self._undelivered.pop(lease_id, None)
-        self._came_back()
+        if answered:
+            self._came_back()
         return True
 
     def _owe_again(self, u: _Undelivered) -> None:
