@@ -346,10 +346,14 @@ async def test_redis_outage_fails_open_or_closed_and_recovers(
         phase[0] = "restarted"
         await _until(lambda: not fail_open.degraded and not fail_closed.degraded, "recovery")
         phase[0] = "recovered"
-        mark_open, mark_closed = len(opened), len(closed)
+        # Fail-open: for an interval after it is back, its spent share decides as well
+        # (the other instances' debts may not be in Redis yet); then Redis's fresh bucket.
         await _until(
-            lambda: len(opened) >= mark_open + 5 and len(closed) >= mark_closed + 5,
-            "load after recovery",
+            lambda: all(
+                any(p == "recovered" and isinstance(r, Lease) for p, r, _ in results)
+                for results in (opened, closed)
+            ),
+            "a grant after recovery",
         )
     finally:
         stop.set()

@@ -272,6 +272,27 @@ class _TenantState:
     durations: RecentDurations = field(default_factory=RecentDurations)
 
 
+def _rate_denial(
+    state: _TenantState, limits: TenantLimits, prompt_tokens: int, now: float
+) -> Denied | None:
+    """The denial when the tenant's request or token bucket cannot take the request now."""
+    requests, tokens = state.requests, state.tokens
+    requests_wait = (
+        0.0
+        if requests is None
+        else wait_s(requests.level(now), 1, requests.capacity, requests.refill_per_s)
+    )
+    tokens_wait = (
+        0.0
+        if tokens is None
+        else wait_s(tokens.level(now), prompt_tokens, tokens.capacity, tokens.refill_per_s)
+    )
+    binding = rate_decision(requests_wait, tokens_wait)
+    if binding is None:
+        return None
+    return denial(binding[0], binding[1], limits, prompt_tokens)
+
+
 class MemoryLimits:
     """Per-process limits: exact within one gateway process, no coordination across them.
 
@@ -369,20 +390,10 @@ class MemoryLimits:
             earlier = state.granted.get(lease_id)
             if earlier is not None and lease_id in state.leases:
                 return earlier  # a retried acquire: the same grant, charged once
+        refused = _rate_denial(state, limits, prompt_tokens, now)
+        if refused is not None:
+            return refused
         requests, tokens = state.requests, state.tokens
-        requests_wait = (
-            0.0
-            if requests is None
-            else wait_s(requests.level(now), 1, requests.capacity, requests.refill_per_s)
-        )
-        tokens_wait = (
-            0.0
-            if tokens is None
-            else wait_s(tokens.level(now), prompt_tokens, tokens.capacity, tokens.refill_per_s)
-        )
-        binding = rate_decision(requests_wait, tokens_wait)
-        if binding is not None:
-            return denial(binding[0], binding[1], limits, prompt_tokens)
         if limits.max_concurrent is not None:
             if len(state.leases) >= limits.max_concurrent:
                 self._expire_leases(state, now)
@@ -401,6 +412,32 @@ class MemoryLimits:
         lease = Lease(tenant, lease_id, prompt_tokens if tokens is not None else 0)
         state.granted[lease_id] = lease
         return lease
+
+    def take_rates(
+        self, tenant: str, limits: TenantLimits, prompt_tokens: int, now: float
+    ) -> Denied | None:
+        """Take one request and `prompt_tokens` from the tenant's rate buckets, both or
+        neither, and hold no lease (a shared backend holds the concurrency): None when
+        taken, else the denial."""
+        state = self._state(tenant, limits, now)
+        refused = _rate_denial(state, limits, prompt_tokens, now)
+        if refused is not None:
+            return refused
+        if state.requests is not None:
+            state.requests.try_take(1, now)
+        if state.tokens is not None:
+            state.tokens.try_take(prompt_tokens, now)
+        return None
+
+    def refund_rates(self, tenant: str, prompt_tokens: int, now: float) -> None:
+        """Give back what `take_rates` took."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return
+        if state.requests is not None:
+            state.requests.refund(1, now)
+        if state.tokens is not None and prompt_tokens:
+            state.tokens.refund(prompt_tokens, now)
 
     def _forget_cancelled(self, state: _TenantState, now: float) -> None:
         # A cancel only has to outlive the acquire it races; a lease's TTL is plenty.

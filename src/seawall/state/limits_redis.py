@@ -54,7 +54,11 @@ below empty: after a long outage the grants were paid by refills that Redis capp
 that the allowance is not granted once by the fallbacks and again by Redis. Each
 episode of fallback starts from the newest level seen, but never above what this
 instance's fallback had left from an episode before, refilled since (the level seen
-may not yet hold the other instances' debts).
+may not yet hold the other instances' debts). And for a while after an instance is back
+(`reconnect_interval_s` and two timeouts: the others' debts arrive with their next
+probes), a fail-open instance admits a request only if its share admits it as well as
+Redis: the first instance back would otherwise grant again what the others' debts, not
+yet delivered, are about to take (and a late debt is never charged below empty).
 
 N comes from `instances` when a cluster counts the gateways (`cluster:`); without one the
 instances count each other here, through Redis itself: each beats every `MEMBER_BEAT_S`
@@ -408,6 +412,8 @@ class RedisLimits:
         # Per tenant: the buckets' levels in Redis's last reply, and the caller's `now` then.
         self._seen: dict[str, tuple[float | None, float | None, float]] = {}
         self._seeded: set[str] = set()  # tenants whose fallback this episode has started
+        # Until then (the caller's clock), just back from an outage: see `acquire`.
+        self._settle_until = float("-inf")
         self._next_attempt_at = 0.0  # while degraded: when Redis may be tried again
         # Last limits seen per tenant: release needs the token bucket's shape.
         self._limits: dict[str, TenantLimits] = {}
@@ -439,7 +445,7 @@ class RedisLimits:
         while True:
             # While degraded a beat is Redis's one probe per interval, like a request's,
             # so an instance that takes no request still comes back (and is counted).
-            now = self._last_now if self._caller_clock else seawall_clock.monotonic()
+            now = self._now()
             if self._use_redis(now):
                 try:
                     async with StoreTimeout(self.socket_timeout_s):
@@ -449,7 +455,7 @@ class RedisLimits:
                 else:
                     self._members = max(1, int(n))
                     if self.degraded:
-                        self._came_back()
+                        self._came_back(now)
             await asyncio.sleep(MEMBER_BEAT_S)
 
     def _script_keys(self, tenant: str) -> list[str]:
@@ -496,12 +502,21 @@ class RedisLimits:
             async with StoreTimeout(self.socket_timeout_s):
                 await self._redis.connection_pool.disconnect()
 
-    def _came_back(self) -> None:
+    def _now(self) -> float:
+        """Now, for a call no request made: the caller's clock, or the monotonic one."""
+        return self._last_now if self._caller_clock else seawall_clock.monotonic()
+
+    def _came_back(self, now: float) -> None:
         self._streak = 0
-        self._seeded.clear()  # a later fallback starts again from the newest levels
         if self.degraded:
             self.degraded = False
+            if self.fail_mode == "open":
+                # The other instances' debts reach Redis with their next probe (at most an
+                # interval away) and its round trip: until then this one's share holds too.
+                self._settle_until = now + self.reconnect_interval_s + 2 * self.socket_timeout_s
             log.info("limits backend reachable again; shared limits restored")
+        elif now >= self._settle_until:
+            self._seeded.clear()  # a later fallback starts again from the newest levels
         if self._undelivered:
             self._wake.set()
 
@@ -516,20 +531,33 @@ class RedisLimits:
         if self.fail_mode == "closed":
             retry_after_s = max(1.0, self._next_attempt_at - now)
             return denial("backend_unavailable", retry_after_s, limits, prompt_tokens)
+        share = self._share_of(tenant, limits, now)
+        result = self._not_never(
+            await self.fallback.acquire(tenant, share, prompt_tokens, now, lease_id),
+            limits,
+            prompt_tokens,
+        )
+        if isinstance(result, Lease):
+            self._owe(tenant, limits, prompt_tokens if limits.prompt_tokens_per_min else 0)
+        return result
+
+    def _share_of(self, tenant: str, limits: TenantLimits, now: float) -> TenantLimits:
+        """This instance's share of the tenant's limits, its fallback buckets seeded at
+        the first use in an episode (see the module docstring)."""
         n = self.sharers()
         share = _share(limits, n)
         if tenant not in self._seeded:
             self._seeded.add(tenant)
             self.fallback.seed(tenant, share, *self._start_levels(tenant, limits, n, now), now)
-        result = await self.fallback.acquire(tenant, share, prompt_tokens, now, lease_id)
+        return share
+
+    def _not_never(
+        self, result: Lease | Denied, limits: TenantLimits, prompt_tokens: int
+    ) -> Lease | Denied:
         if isinstance(result, Denied) and result.never:
             # Over this instance's share of the token budget, not over the tenant's: not
             # a client error, only a wait until Redis decides again.
-            result = denial(
-                "prompt_tokens_per_min", self.reconnect_interval_s, limits, prompt_tokens
-            )
-        if isinstance(result, Lease):
-            self._owe(tenant, limits, prompt_tokens if limits.prompt_tokens_per_min else 0)
+            return denial("prompt_tokens_per_min", self.reconnect_interval_s, limits, prompt_tokens)
         return result
 
     def _start_levels(
@@ -607,6 +635,15 @@ class RedisLimits:
         mine = any(u.tenant == tenant for u in self._undelivered.values())
         if mine and not await self._deliver(tenant):
             return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
+        # Just after an outage the other instances' debts may not have reached Redis yet,
+        # and its level would grant them again: this instance's share decides as well.
+        settling = now < self._settle_until
+        if settling:
+            share = self._share_of(tenant, limits, now)
+            refused = self.fallback.take_rates(tenant, share, prompt_tokens, now)
+            if refused is not None:
+                self._asked.pop(lease_id, None)
+                return self._not_never(refused, limits, prompt_tokens)
         requests_capacity, requests_refill, tokens_capacity, tokens_refill = self._buckets(limits)
         args = [
             _num(now) if self._caller_clock else "",
@@ -643,10 +680,14 @@ class RedisLimits:
                 )
             )
             await self._failed(now, error)
+            if settling:
+                self.fallback.refund_rates(tenant, prompt_tokens, now)
             return await self._unavailable(tenant, limits, prompt_tokens, now, lease_id)
-        self._came_back()
+        self._came_back(now)
         if not granted:
             self._asked.pop(lease_id, None)
+            if settling:
+                self.fallback.refund_rates(tenant, prompt_tokens, now)
         if granted:
             self._acquired_at.setdefault(lease_id, now)
             self._saw(tenant, reply, 1, now)
@@ -734,7 +775,7 @@ class RedisLimits:
             self._keep(undelivered)
             await self._failed(now, error)
             return
-        self._came_back()
+        self._came_back(now)
 
     # -- cancels and releases Redis has not taken yet ----------------------------------
 
@@ -824,7 +865,7 @@ class RedisLimits:
             if u.kind != "charge":
                 self._undelivered.pop(lease_id, None)
         if answered:
-            self._came_back()
+            self._came_back(self._now())
         return True
 
     def _owe_again(self, u: _Undelivered) -> None:
@@ -845,7 +886,7 @@ class RedisLimits:
                 await asyncio.wait_for(self._wake.wait(), self.reconnect_interval_s)
             self._wake.clear()
             # While degraded this is Redis's one probe per interval, like a request's.
-            now = self._last_now if self._caller_clock else seawall_clock.monotonic()
+            now = self._now()
             if self._use_redis(now):
                 await self._deliver()
 
