@@ -252,6 +252,57 @@ async def test_a_runtime_error_from_the_client_is_a_fallback_or_a_503_never_a_50
         await backend.close()
 
 
+RATE = TenantLimits(requests_per_min=600)  # a burst of 600, then 10 per second
+
+
+def _exact_instances(url: str, prefix: str) -> list[RedisLimits]:
+    """Three fail-open instances on the caller's clock: one failure is an outage, and
+    Redis may be tried again 0.5 s (caller time) after one."""
+    out = []
+    for _ in range(INSTANCES):
+        b = RedisLimits(
+            url,
+            "open",
+            prefix,
+            socket_timeout_s=0.1,
+            reconnect_interval_s=0.5,
+            clock="caller",
+            failures_to_degrade=1,
+        )
+        b.instances = lambda: INSTANCES
+        out.append(b)
+    return out
+
+
+async def _spend(backend: RedisLimits, now: float) -> int:
+    """Acquire at `now` until refused; how many were granted."""
+    n = 0
+    for _ in range(1000):  # bounded: the bucket holds 600
+        if not isinstance(await backend.acquire("acme", RATE, 0, now), Lease):
+            return n
+        n += 1
+    return n
+
+
+async def _full_bucket_then_an_outage(
+    redis_server: RedisServer, instances: list[RedisLimits], now: float
+) -> int:
+    """Each instance sees the full bucket, then Redis stops and each spends its share
+    (owed to Redis); Redis runs again at the end. How many were granted."""
+    assert redis_server.proc is not None
+    for x in instances:
+        assert isinstance(await x.acquire("acme", RATE, 0, now), Lease)
+    granted = len(instances)
+    redis_server.proc.signal(signal.SIGSTOP)
+    try:
+        for x in instances:
+            granted += await _spend(x, now)
+    finally:
+        redis_server.proc.signal(signal.SIGCONT)
+    assert all(x.degraded for x in instances)
+    return granted
+
+
 async def test_a_second_outage_soon_after_the_first_does_not_grant_the_share_again(
     redis_server: RedisServer,
 ) -> None:
@@ -264,56 +315,24 @@ async def test_a_second_outage_soon_after_the_first_does_not_grant_the_share_aga
     owing it (as if their debts arrived after the second outage began); instance a comes
     back, sees the level, and Redis stops again."""
     assert redis_server.proc is not None
-    limits = TenantLimits(requests_per_min=600)  # a burst of 600, then 10 per second
-    a, b, c = instances = [
-        RedisLimits(
-            redis_server.url,
-            "open",
-            "twice:",
-            socket_timeout_s=0.1,
-            reconnect_interval_s=0.5,
-            clock="caller",
-            failures_to_degrade=1,
-        )
-        for _ in range(INSTANCES)
-    ]
-    for x in instances:
-        x.instances = lambda: INSTANCES
+    a, b, c = instances = _exact_instances(redis_server.url, "twice:")
     t = 1000.0
-    granted = 0
-
-    async def spend(x: RedisLimits, now: float) -> int:
-        n = 0
-        for _ in range(1000):  # bounded: a share is 200
-            if not isinstance(await x.acquire("acme", limits, 0, now), Lease):
-                return n
-            n += 1
-        return n
-
     try:
-        for x in instances:  # each sees the full bucket
-            assert isinstance(await x.acquire("acme", limits, 0, t), Lease)
-            granted += 1
-        redis_server.proc.signal(signal.SIGSTOP)
-        try:
-            for x in instances:
-                granted += await spend(x, t)  # the first outage: each its share
-        finally:
-            redis_server.proc.signal(signal.SIGCONT)
-        assert all(x.degraded for x in instances)
-        await b.close()
+        granted = await _full_bucket_then_an_outage(redis_server, instances, t)
+        await b.close()  # owing their shares (closed again below: harmless)
         await c.close()
         t += 0.6  # past the reconnect interval: a tries Redis again, and it answers
-        assert isinstance(await a.acquire("acme", limits, 0, t), Lease)
+        assert isinstance(await a.acquire("acme", RATE, 0, t), Lease)
         granted += 1
         assert not a.degraded
         redis_server.proc.signal(signal.SIGSTOP)
         try:
-            granted += await spend(a, t + 0.01)  # the second outage
+            granted += await _spend(a, t + 0.01)  # the second outage
         finally:
             redis_server.proc.signal(signal.SIGCONT)
     finally:
-        await a.close()
+        for x in instances:
+            await x.close()
     allowance = 600 + 10 * 0.61
     print(f"\n{granted} granted of an allowance of {allowance:.0f}")
     assert granted <= allowance + 2, (granted, allowance)
@@ -329,48 +348,14 @@ async def test_the_first_instance_back_does_not_spend_the_debts_of_the_others(
     never below empty): what `test_a_pause_of_a_quiet_tenant...` above caught in about
     one run in eight (797-981 granted against 660). Now, for an interval after it comes
     back, its share decides as well as Redis. Caller time, exact."""
-    assert redis_server.proc is not None
-    limits = TenantLimits(requests_per_min=600)  # a burst of 600, then 10 per second
-    instances = [
-        RedisLimits(
-            redis_server.url,
-            "open",
-            "first-back:",
-            socket_timeout_s=0.1,
-            reconnect_interval_s=0.5,
-            clock="caller",
-            failures_to_degrade=1,
-        )
-        for _ in range(INSTANCES)
-    ]
-    for x in instances:
-        x.instances = lambda: INSTANCES
-    a, b, c = instances
+    a, b, c = instances = _exact_instances(redis_server.url, "first-back:")
     t = 1000.0
-    granted = 0
-
-    async def spend(x: RedisLimits, now: float) -> int:
-        n = 0
-        for _ in range(1000):  # bounded: the bucket holds 600
-            if not isinstance(await x.acquire("acme", limits, 0, now), Lease):
-                return n
-            n += 1
-        return n
-
     try:
-        for x in instances:  # each sees the full bucket
-            assert isinstance(await x.acquire("acme", limits, 0, t), Lease)
-            granted += 1
-        redis_server.proc.signal(signal.SIGSTOP)
-        try:
-            for x in instances:
-                granted += await spend(x, t)  # the outage: each its share, owed to Redis
-        finally:
-            redis_server.proc.signal(signal.SIGCONT)
-        granted += await spend(a, t + 0.6)  # a is back first: b and c still owe theirs
+        granted = await _full_bucket_then_an_outage(redis_server, instances, t)
+        granted += await _spend(a, t + 0.6)  # a is back first: b and c still owe theirs
         assert not a.degraded
         for x in (b, c):
-            granted += await spend(x, t + 0.7)  # back, their debts delivered first
+            granted += await _spend(x, t + 0.7)  # back, their debts delivered first
             assert not x.degraded
     finally:
         for x in instances:
