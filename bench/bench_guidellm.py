@@ -27,7 +27,11 @@ through each target, not reported, so no measured run is a process's first. Each
 its own data seed, so no run reuses another's prompts from the sims' prefix cache.
 
 Prints per run: requests ok / errored, TTFT and ITL (ms) median and p95 as guidellm
-measures them, with guidellm's own 95% confidence interval of the TTFT median; then per
+measures them, with guidellm's own 95% confidence interval of the TTFT median, and the
+engine's own TTFT and ITL means over the run (the sims' `vllm:time_to_first_token_seconds`
+and `vllm:inter_token_latency_seconds`, scraped before and after it: from a request's
+arrival at the engine, so a proxy's hop is the client's TTFT minus the engine's, and an
+engine that steps slower or faster in one run shows there); then per
 round and proxy: its minus the direct mean beside |direct 1 - direct 2|; then, pooled
 over every round's requests, each proxy's TTFT median minus direct's and direct 2's
 minus direct 1's, with 95% bootstrap intervals (2,000 resamples of the requests): one
@@ -42,9 +46,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +74,33 @@ from _common import (  # noqa: E402
 )
 
 MODEL = "sim-model"
+_ENGINE_SERIES = re.compile(
+    r"^vllm:(time_to_first_token|inter_token_latency)_seconds_(sum|count)\{[^}]*\} (\S+)$",
+    re.MULTILINE,
+)
+
+
+def engine_sums(urls: list[str]) -> dict[tuple[str, str], float]:
+    """The sims' TTFT and ITL histogram sums and counts, added over the sims."""
+    out: dict[tuple[str, str], float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for name, part, value in _ENGINE_SERIES.findall(text):
+            out[name, part] = out.get((name, part), 0.0) + float(value)
+    return out
+
+
+def engine_means_ms(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> tuple[float, float]:
+    """(TTFT, ITL) means in ms over what the engines did between two scrapes."""
+    means = []
+    for name in ("time_to_first_token", "inter_token_latency"):
+        count = after.get((name, "count"), 0.0) - before.get((name, "count"), 0.0)
+        total = after.get((name, "sum"), 0.0) - before.get((name, "sum"), 0.0)
+        means.append(total / count * 1000 if count else float("nan"))
+    return means[0], means[1]
 
 
 def main() -> int:
@@ -132,21 +165,26 @@ def main() -> int:
 
         direct = upstreams[0]
         seed = 101
+        engine: dict[tuple[str, str], tuple[float, float]] = {}  # (label, name) -> means
 
         def run(name: str, target: str, label: str, seconds: float) -> guidellm.Result:
             nonlocal seed
             seed += 1
-            return guidellm.run(
-                target,
-                work / f"{label}-{name.replace(' ', '-')}.json",
-                seed=seed,
-                seconds=seconds,
-                rate=args.rate,
-                tokenizer=tokenizer,
-                prompt_tokens=args.prompt_tokens,
-                output_tokens=args.output_tokens,
-                timeout_s=seconds * 4 + 300,
-            )
+            before = engine_sums(upstreams)
+            try:
+                return guidellm.run(
+                    target,
+                    work / f"{label}-{name.replace(' ', '-')}.json",
+                    seed=seed,
+                    seconds=seconds,
+                    rate=args.rate,
+                    tokenizer=tokenizer,
+                    prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.output_tokens,
+                    timeout_s=seconds * 4 + 300,
+                )
+            finally:
+                engine[label, name] = engine_means_ms(before, engine_sums(upstreams))
 
         if args.warmup > 0:
             for name, target in [("direct", direct), *proxies.items()]:
@@ -179,11 +217,13 @@ def main() -> int:
     rows = []
     for i, got in enumerate(results, start=1):
         for name, r in got.items():
+            e_ttft, e_itl = engine[f"round{i}", name]
             rows.append(
                 [
                     i, name, r.successful, r.errored, f"{r.ttft_ms['median']:.1f}",
                     "{:.1f}-{:.1f}".format(*r.ttft_median_ci), f"{r.ttft_ms['p95']:.1f}",
                     f"{r.itl_ms['median']:.2f}", f"{r.itl_ms['p95']:.2f}",
+                    f"{e_ttft:.2f}", f"{e_itl:.2f}",
                 ]
             )  # fmt: skip
     print_table(
@@ -197,6 +237,8 @@ def main() -> int:
             "TTFT p95 ms",
             "ITL p50 ms",
             "ITL p95 ms",
+            "engine TTFT mean",
+            "engine ITL mean",
         ],
         rows,
     )
