@@ -266,3 +266,33 @@ async def test_an_acquire_is_idempotent_by_lease_id_and_can_be_cancelled() -> No
             granted += 1
             await backend.release(lease, None, 0.0)
     assert granted == 10
+
+
+# ------------------------------------- a fallback for a shared backend (limits_redis.py)
+
+
+async def test_a_second_seed_continues_what_the_first_left_refilled_since() -> None:
+    """A fallback seeded again soon after the first continues it: the level Redis showed
+    may not hold what the other instances' fallbacks granted meanwhile."""
+    share = TenantLimits(requests_per_min=60)  # 60, then 1 a second
+    fallback = MemoryLimits()
+    fallback.seed("acme", share, 10, None, now=0.0)
+    granted = [await fallback.acquire("acme", share, 0, now=0.0) for _ in range(12)]
+    assert sum(isinstance(g, Lease) for g in granted) == 10
+    fallback.seed("acme", share, 50, None, now=5.0)  # 5 s later: 5 refilled, not 50
+    again = [await fallback.acquire("acme", share, 0, now=5.0) for _ in range(8)]
+    assert sum(isinstance(g, Lease) for g in again) == 5
+    fallback.seed("acme", share, 50, None, now=125.0)  # long after: the seed decides
+    later = [await fallback.acquire("acme", share, 0, now=125.0) for _ in range(60)]
+    assert sum(isinstance(g, Lease) for g in later) == 50
+
+
+async def test_take_rates_is_all_or_nothing_and_holds_no_lease() -> None:
+    share = TenantLimits(requests_per_min=60, prompt_tokens_per_min=100, max_concurrent=1)
+    fallback = MemoryLimits()
+    assert fallback.take_rates("acme", share, 80, now=0.0) is None
+    refused = fallback.take_rates("acme", share, 30, now=0.0)  # 20 tokens left
+    assert isinstance(refused, Denied) and refused.reason == "prompt_tokens_per_min"
+    assert fallback.in_flight("acme") == 0  # the concurrency is the shared backend's
+    fallback.refund_rates("acme", 80, now=0.0)
+    assert fallback.take_rates("acme", share, 100, now=0.0) is None  # refunded whole
