@@ -130,6 +130,8 @@ def _sections(engine: str) -> list[tuple[str, list[tuple[str, str, list[tuple[st
             [
                 (f"max({m.DRAINING})", "draining"),
                 (f"max({m.RATELIMIT_BACKEND_DEGRADED})", "rate-limit backend degraded"),
+                # Fewest instances any gateway counts: a fail-open fallback holds 1/N.
+                (f"min({m.RATELIMIT_INSTANCES})", "instances sharing tenant limits (fewest)"),
             ],
         ),
         (
