@@ -165,7 +165,7 @@ def test_a_dead_replica_leaves_no_cycles_for_the_collector() -> None:
     its liveness, its scrape and its model list (and, if it was up, its deep probe), so
     what a failed call leaves to the cycle collector is left again every second, per
     dead replica, on the event loop every stream runs on. Before: about 80 objects a
-    call, some 3,500 in the second measured here (aiohttp's connection error keeps its
+    call, 3,264 in the second measured here (aiohttp's connection error keeps its
     traceback, whose frames hold the error, the request, its timer and its socket). An
     in-process gateway whose one replica is a loopback port that refuses connections,
     probed every 50 ms."""

@@ -372,6 +372,7 @@ class RedisLimits:
         self.instances = instances
         self._members = 1  # the count the last beat returned (this instance included)
         self._member_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._members_key = f"{key_prefix}instances"
         self._beater: asyncio.Task[None] | None = None
         self.key_prefix = key_prefix
         self.lease_ttl_s = lease_ttl_s
@@ -440,7 +441,6 @@ class RedisLimits:
             self._beater = asyncio.get_running_loop().create_task(self._beat_loop())
 
     async def _beat_loop(self) -> None:
-        key = f"{self.key_prefix}instances"
         ttl_ms = str(int(MEMBER_TTL_S * 1000))
         while True:
             # While degraded a beat is Redis's one probe per interval, like a request's,
@@ -449,7 +449,9 @@ class RedisLimits:
             if self._use_redis(now):
                 try:
                     async with StoreTimeout(self.socket_timeout_s):
-                        n = await self._member_script(keys=[key], args=[self._member_id, ttl_ms])
+                        n = await self._member_script(
+                            keys=[self._members_key], args=[self._member_id, ttl_ms]
+                        )
                 except Exception:  # a lost beat: the count stands; outages are the requests' to say
                     pass
                 else:
@@ -902,7 +904,7 @@ class RedisLimits:
             # Leave the count at once rather than after MEMBER_TTL_S.
             with contextlib.suppress(Exception):
                 async with StoreTimeout(self.socket_timeout_s):
-                    await self._redis.zrem(f"{self.key_prefix}instances", self._member_id)
+                    await self._redis.zrem(self._members_key, self._member_id)
         await self._redis.aclose()
         await self.fallback.close()
 
